@@ -1,0 +1,140 @@
+//! The backend seam. The model graph (model/qwen3_5_moe.rs) is written once against this trait;
+//! every buffer it touches lives on the backend's device and is passed by handle, so a step never
+//! reads activations back to the host. The CPU backend's buffers are host memory; a GPU backend's
+//! are device memory. Each op here has a plain reference implementation (backend/cpu/reference.rs)
+//! that the fast implementations are tested against.
+
+pub mod cpu;
+
+use crate::checkpoint::QWeight;
+use crate::error::Result;
+
+/// Shape facts of one Gated DeltaNet layer that the ops need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GdnShape {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl GdnShape {
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+}
+
+/// Shape facts of one gated full-attention layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub rope_theta: f64,
+}
+
+pub trait Backend: Send + Sync + 'static {
+    /// A 2-D activation `[rows, cols]` (rows = tokens), device-resident.
+    type Tensor: Send;
+    /// A quantized weight matrix (or a stack of expert matrices) on the device.
+    type QMatrix: Send + Sync;
+    /// A small dense f32 parameter (norm gains, conv taps, gate constants).
+    type Vector: Send + Sync;
+    /// The conv window and recurrent state of one GDN layer.
+    type GdnState: Send;
+    /// The K and V cache of one attention layer.
+    type KvCache: Send;
+    /// The experts chosen for each token and their mixing weights.
+    type Routing: Send;
+
+    fn name(&self) -> String;
+
+    // ---- memory
+    fn upload_qmatrix(&self, w: QWeight) -> Result<Self::QMatrix>;
+    fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector>;
+    fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
+    fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    fn tensor_shape(&self, t: &Self::Tensor) -> (usize, usize);
+    fn new_gdn_state(&self, shape: &GdnShape) -> Result<Self::GdnState>;
+    fn new_kv_cache(&self, shape: &AttnShape, max_seq: usize) -> Result<Self::KvCache>;
+    /// Zero state and window (a fresh sequence).
+    fn reset_gdn_state(&self, state: &mut Self::GdnState) -> Result<()>;
+    /// A copy of the state (for the session prefix cache).
+    fn clone_gdn_state(&self, state: &Self::GdnState) -> Result<Self::GdnState>;
+    /// A copy of the first `len` positions of the cache, with room for `max_seq`.
+    fn clone_kv_cache(&self, cache: &Self::KvCache, len: usize, max_seq: usize) -> Result<Self::KvCache>;
+    /// Device bytes held by a state (for cache budgets).
+    fn gdn_state_bytes(&self, state: &Self::GdnState) -> usize;
+    fn kv_cache_bytes(&self, cache: &Self::KvCache) -> usize;
+
+    // ---- dense ops
+    /// Rows `tokens` of the quantized embedding table, dequantized.
+    fn embed(&self, table: &Self::QMatrix, tokens: &[u32]) -> Result<Self::Tensor>;
+    /// `x * rsqrt(mean(x^2) + eps) * w` per row.
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32) -> Result<Self::Tensor>;
+    /// `x += y`.
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// `x @ w^T` with `w` quantized: `[T, K] x [N, K] -> [T, N]`, f32 accumulation.
+    fn qmatmul(&self, x: &Self::Tensor, w: &Self::QMatrix) -> Result<Self::Tensor>;
+    /// `silu(g) * u`, elementwise.
+    fn swiglu(&self, g: &Self::Tensor, u: &Self::Tensor) -> Result<Self::Tensor>;
+    /// The last row of `x` (only the last prompt position needs logits).
+    fn last_row(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// First index of the maximum of each row (NaN never wins), read back to the host.
+    fn argmax_rows(&self, x: &Self::Tensor) -> Result<Vec<u32>>;
+
+    // ---- Gated DeltaNet
+    /// Causal depthwise conv over `x` `[T, C]` continuing from the state's window (taps
+    /// `w` tap-major `[K, C]`), then SiLU. Updates the window.
+    fn conv1d_silu(&self, x: &Self::Tensor, w: &Self::Vector, state: &mut Self::GdnState, shape: &GdnShape) -> Result<Self::Tensor>;
+    /// The gated delta rule over `T` tokens: `qkv` is the conv output `[T, C]` (q, k, v
+    /// channels), `a`/`b` `[T, Hv]` the gate projections. L2-normalises q and k, computes
+    /// decay `exp(-exp(a_log) * softplus(a + dt_bias))` and `beta = sigmoid(b)`, runs the f32
+    /// recurrence in the state and returns `y` `[T, Hv*Dv]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_recurrence(
+        &self,
+        qkv: &Self::Tensor,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        a_log: &Self::Vector,
+        dt_bias: &Self::Vector,
+        state: &mut Self::GdnState,
+        shape: &GdnShape,
+    ) -> Result<Self::Tensor>;
+    /// Per head of `dim`: `rmsnorm(y) * w * silu(z)`.
+    fn gated_rms_norm(&self, y: &Self::Tensor, z: &Self::Tensor, w: &Self::Vector, dim: usize, eps: f32) -> Result<Self::Tensor>;
+
+    // ---- gated full attention
+    /// Splits the per-head interleaved `[q | gate]` projection into q `[T, H*D]` and gate `[T, H*D]`.
+    fn split_q_gate(&self, qg: &Self::Tensor, heads: usize, head_dim: usize) -> Result<(Self::Tensor, Self::Tensor)>;
+    /// Per head of `dim`: `rmsnorm(x) * w`.
+    fn head_rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, dim: usize, eps: f32) -> Result<Self::Tensor>;
+    /// Rotate-half RoPE on the first `rotary_dim` dims of each head; row t is at position `pos0 + t`.
+    fn rope(&self, x: &mut Self::Tensor, shape: &AttnShape, pos0: usize) -> Result<()>;
+    /// Writes k and v rows into the cache at positions `pos0..pos0+T`.
+    fn kv_append(&self, cache: &mut Self::KvCache, k: &Self::Tensor, v: &Self::Tensor, pos0: usize) -> Result<()>;
+    /// Causal grouped-query attention of q rows at positions `pos0..pos0+T` over the cache.
+    fn attention(&self, q: &Self::Tensor, cache: &Self::KvCache, shape: &AttnShape, pos0: usize) -> Result<Self::Tensor>;
+    /// `x * sigmoid(gate)`, elementwise.
+    fn sigmoid_mul(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Result<Self::Tensor>;
+
+    // ---- mixture of experts
+    /// Softmax over the router logits, top-k (ties to the lowest expert id), optionally
+    /// renormalised over the chosen k.
+    fn route(&self, logits: &Self::Tensor, top_k: usize, renormalize: bool) -> Result<Self::Routing>;
+    /// `sum_j w_j * down_j(silu(gate_j x) * up_j x)` over each token's chosen experts; the
+    /// three stacks hold `E` matrices each.
+    fn moe_experts(
+        &self,
+        x: &Self::Tensor,
+        routing: &Self::Routing,
+        gate: &Self::QMatrix,
+        up: &Self::QMatrix,
+        down: &Self::QMatrix,
+    ) -> Result<Self::Tensor>;
+    /// `out += sigmoid(gate_logit) * y`, one gate logit per row (`gate_logit` is `[T, 1]`).
+    fn add_sigmoid_gated(&self, out: &mut Self::Tensor, y: &Self::Tensor, gate_logit: &Self::Tensor) -> Result<()>;
+}
