@@ -189,7 +189,7 @@ impl Checkpoint {
         // not being modified while the server runs.
         let map = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(format!("mapping {}", path.display()), e))?;
         let (header_len, _) = SafeTensors::read_metadata(&map[..])
-            .map_err(|e| Error::checkpoint(format!("{file}: invalid safetensors header: {e}")))?;
+            .map_err(|e| Error::checkpoint(format!("{file}: corrupt safetensors header or truncated file: {e}")))?;
         let tensors = SafeTensors::deserialize(&map[..])
             .map_err(|e| Error::checkpoint(format!("{file}: corrupt or truncated safetensors file: {e}")))?;
         let data_start = 8 + header_len;
