@@ -128,6 +128,46 @@ mod avx2 {
         hsum(total) + bias_acc
     }
 
+    /// Four consecutive rows of a 4-bit product at once: `words`, `scales`, `biases` hold the
+    /// four rows back to back. Sharing each x load across four independent FMA chains keeps the
+    /// unpack units busy instead of waiting on one chain's latency.
+    #[target_feature(enable = "avx2,fma")]
+    pub fn dot4_rows_q4(words: &[u32], scales: &[bf16], biases: &[bf16], xp: &[f32], sumx: &[f32]) -> [f32; 4] {
+        let groups = scales.len() / 4;
+        let wpr = groups * 8;
+        assert!(words.len() >= 4 * wpr && biases.len() >= 4 * groups && xp.len() >= groups * 64 && sumx.len() >= groups);
+        let mask = _mm256_set1_epi32(0xF);
+        let mut total = [_mm256_setzero_ps(); 4];
+        let mut bias_acc = [0.0f32; 4];
+        for g in 0..groups {
+            // SAFETY: the assert above bounds every access: row r's group g is words
+            // [r*wpr + g*8, +8) and floats [g*64, +64).
+            unsafe {
+                let xg = xp.as_ptr().add(g * 64);
+                let mut v = [_mm256_setzero_si256(); 4];
+                for (r, vr) in v.iter_mut().enumerate() {
+                    *vr = _mm256_loadu_si256(words.as_ptr().add(r * wpr + g * 8) as *const __m256i);
+                }
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for j in 0..8 {
+                    let xv = _mm256_loadu_ps(xg.add(j * 8));
+                    for r in 0..4 {
+                        let q = _mm256_cvtepi32_ps(_mm256_and_si256(v[r], mask));
+                        v[r] = _mm256_srli_epi32::<4>(v[r]);
+                        acc[r] = _mm256_fmadd_ps(q, xv, acc[r]);
+                    }
+                }
+                for r in 0..4 {
+                    total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(scales[r * groups + g].to_f32()), total[r]);
+                }
+            }
+            for (r, b) in bias_acc.iter_mut().enumerate() {
+                *b += biases[r * groups + g].to_f32() * sumx[g];
+            }
+        }
+        [hsum(total[0]) + bias_acc[0], hsum(total[1]) + bias_acc[1], hsum(total[2]) + bias_acc[2], hsum(total[3]) + bias_acc[3]]
+    }
+
     /// One output of an 8-bit product (two 8-word blocks per group of 64).
     #[target_feature(enable = "avx2,fma")]
     pub fn dot_row_q8(words: &[u32], scales: &[bf16], biases: &[bf16], xp: &[f32], sumx: &[f32]) -> f32 {
@@ -236,9 +276,16 @@ pub fn qmatmul_rows(simd: Simd, x: &[f32], t: usize, w: &QWeight, rows: std::ops
             let prep = if simd == Simd::Avx2 { prepare_x(xi, w.bits, w.group_size) } else { PreparedX { xp: Vec::new(), sumx: xi.chunks(w.group_size).map(|g| g.iter().sum()).collect() } };
             let oi = &mut out[i * ldo..i * ldo + n];
             oi.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(ci, chunk)| {
-                for (j, o) in chunk.iter_mut().enumerate() {
-                    let r = rows.start + ci * ROWS_PER_TASK + j;
-                    *o = dot_row(simd, w, r, xi, &prep);
+                let r0 = rows.start + ci * ROWS_PER_TASK;
+                let mut j = 0;
+                while j < chunk.len() {
+                    if let Some(four) = dot4_rows(simd, w, r0 + j, &prep).filter(|_| j + 4 <= chunk.len()) {
+                        chunk[j..j + 4].copy_from_slice(&four);
+                        j += 4;
+                    } else {
+                        chunk[j] = dot_row(simd, w, r0 + j, xi, &prep);
+                        j += 1;
+                    }
                 }
             });
         }
@@ -263,6 +310,21 @@ pub fn qmatmul_rows(simd: Simd, x: &[f32], t: usize, w: &QWeight, rows: std::ops
             out[i * ldo + start..i * ldo + start + len].copy_from_slice(&part[i * len..(i + 1) * len]);
         }
     }
+}
+
+/// Rows `r..r+4` at once where a four-row kernel exists (4-bit on AVX2).
+fn dot4_rows(simd: Simd, w: &QWeight, r: usize, prep: &PreparedX) -> Option<[f32; 4]> {
+    #[cfg(target_arch = "x86_64")]
+    if simd == Simd::Avx2 && w.bits == 4 && r + 4 <= w.rows {
+        let (wpr, gpr) = (w.words_per_row(), w.groups_per_row());
+        let words = &w.codes[r * wpr..(r + 4) * wpr];
+        let scales = &w.scales[r * gpr..(r + 4) * gpr];
+        let biases = &w.biases[r * gpr..(r + 4) * gpr];
+        // SAFETY: Simd::Avx2 is only chosen after detecting avx2 and fma.
+        return Some(unsafe { avx2::dot4_rows_q4(words, scales, biases, &prep.xp, &prep.sumx) });
+    }
+    let _ = (simd, w, r, prep);
+    None
 }
 
 fn dot_row(simd: Simd, w: &QWeight, r: usize, x: &[f32], prep: &PreparedX) -> f32 {

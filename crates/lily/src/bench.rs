@@ -1,0 +1,144 @@
+//! `lily bench`: lily's benchmark contract (prompt formula, timers, digest, JSON), so that
+//! numbers are comparable with the original lily and with the peer harnesses.
+//!
+//! Prompt: `tok(i) = (i * 2654435761 mod 2^32) mod vocab`. Prefill is timed from the start of
+//! prefill until the first token is known on the host; decode times `steps` single-token steps.
+//! The digest is FNV-1a-64 over the `steps` tokens after the first; stop tokens are ignored.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Result;
+use serde_json::json;
+
+use crate::ModelArgs;
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 256)]
+    pub prompt_len: usize,
+    /// Decode steps after the first token.
+    #[arg(long, default_value_t = 64)]
+    pub decode_steps: usize,
+    /// Also write the JSON report to this file.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+}
+
+pub fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|i| ((i as u64).wrapping_mul(2_654_435_761) % (1u64 << 32) % vocab as u64) as u32).collect()
+}
+
+pub fn fnv1a64(tokens: &[u32]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &t in tokens {
+        h = (h ^ t as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    anyhow::ensure!(a.prompt_len >= 1, "--prompt-len must be at least 1");
+    let eng = crate::load_engine(&a.model)?;
+    let vocab = eng.config().vocab_size;
+    let prompt = bench_prompt(a.prompt_len, vocab);
+    let max_seq = a.prompt_len + a.decode_steps + 1;
+
+    // Warm-up on a throwaway state: one prefill chunk and two decode steps.
+    {
+        let warm = &prompt[..prompt.len().min(engine::generate::PREFILL_CHUNK)];
+        let mut st = eng.new_state(warm.len() + 3)?;
+        let lg = eng.prefill(warm, &mut st)?;
+        let mut tok = eng.argmax(&lg)?;
+        for _ in 0..2 {
+            tok = eng.argmax(&eng.decode_step(tok, &mut st)?)?;
+        }
+    }
+
+    let mut state = eng.new_state(max_seq)?;
+    let t0 = Instant::now();
+    let logits = eng.prefill(&prompt, &mut state)?;
+    let first = eng.argmax(&logits)?;
+    let prefill_secs = t0.elapsed().as_secs_f64();
+
+    let mut tokens = Vec::with_capacity(a.decode_steps);
+    let mut step_wall = Vec::with_capacity(a.decode_steps);
+    let mut tok = first;
+    let t1 = Instant::now();
+    for _ in 0..a.decode_steps {
+        let ts = Instant::now();
+        tok = eng.argmax(&eng.decode_step(tok, &mut state)?)?;
+        step_wall.push(ts.elapsed().as_secs_f64());
+        tokens.push(tok);
+    }
+    let decode_secs = t1.elapsed().as_secs_f64();
+
+    let report = json!({
+        "schema_version": 1,
+        "meta": {
+            "engine": "lily",
+            "crate_version": env!("CARGO_PKG_VERSION"),
+            "source_id": option_env!("LILY_BENCH_SOURCE_ID").unwrap_or("unknown"),
+            "harness": "lily bench",
+            "device": eng.backend_name(),
+            "model": a.model.model.display().to_string(),
+        },
+        "workload": {
+            "prompt_len": a.prompt_len,
+            "prompt_kind": "u32_golden_ratio_hash_mod_vocab",
+            "decode_steps": a.decode_steps,
+            "decode_mode": "sequential",
+        },
+        "results": {
+            "prefill": {
+                "wall_secs": prefill_secs,
+                "tok_s": a.prompt_len as f64 / prefill_secs,
+                "first_token_id": first,
+            },
+            "decode": {
+                "wall_secs": decode_secs,
+                "tok_s": a.decode_steps as f64 / decode_secs,
+                "step_wall_secs": step_wall,
+                "token_digest": fnv1a64(&tokens),
+                "token_ids": tokens,
+            },
+        },
+    });
+    let text = serde_json::to_string_pretty(&report)?;
+    if let Some(p) = &a.json_out {
+        std::fs::write(p, &text)?;
+    }
+    println!("{text}");
+    eprintln!(
+        "prompt {} tokens: prefill {:.1} tok/s ({:.3} s); decode {:.2} tok/s over {} steps; digest {}",
+        a.prompt_len,
+        a.prompt_len as f64 / prefill_secs,
+        prefill_secs,
+        a.decode_steps as f64 / decode_secs,
+        a.decode_steps,
+        fnv1a64(&tokens)
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_formula_matches_the_contract() {
+        // i * 2654435761 mod 2^32, then mod vocab.
+        assert_eq!(bench_prompt(3, 248_320), vec![0, 2_654_435_761 % 248_320, ((2u64 * 2_654_435_761) % (1 << 32) % 248_320) as u32]);
+    }
+
+    #[test]
+    fn fnv1a64_of_known_values() {
+        assert_eq!(fnv1a64(&[]), "cbf29ce484222325");
+        // One step by hand: (basis ^ 1) * prime mod 2^64.
+        let h = (0xcbf2_9ce4_8422_2325u64 ^ 1).wrapping_mul(0x100000001b3);
+        assert_eq!(fnv1a64(&[1]), format!("{h:016x}"));
+    }
+}
