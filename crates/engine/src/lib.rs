@@ -8,6 +8,7 @@ pub mod config;
 pub mod error;
 pub mod generate;
 pub mod model;
+pub mod sampler;
 pub mod synth;
 pub mod tokenizer;
 

@@ -3,6 +3,9 @@
 mod bench;
 mod cpu_bench;
 mod generate_cmd;
+mod metrics;
+mod scheduler;
+mod session_cache;
 mod synth_cmd;
 
 use std::path::PathBuf;

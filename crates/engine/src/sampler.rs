@@ -1,0 +1,239 @@
+//! Token selection from a logits row: greedy, or temperature sampling with top-k, top-p, min-p
+//! and OpenAI presence/frequency penalties, from a seeded generator so that the same seed and
+//! request give the same tokens.
+//!
+//! Order (as llama.cpp and vLLM apply them): penalties on the raw logits, then top-k, then the
+//! temperature-scaled softmax, then top-p and min-p on those probabilities, then one draw.
+
+use std::collections::HashMap;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::backend::cpu::reference::argmax;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 1.0 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 0.0 disables.
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// None draws a fresh seed.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, min_p: 0.0, presence_penalty: 0.0, frequency_penalty: 0.0, seed: None }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+}
+
+/// Candidates examined before falling back to a full sort for top-p: enough for any realistic
+/// nucleus, and far cheaper than sorting a 248k vocabulary every step.
+const TOP_P_PREFILTER: usize = 4096;
+
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+    /// How often each token was generated so far (for the penalties).
+    counts: HashMap<u32, u32>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = match params.seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        };
+        Sampler { params, rng, counts: HashMap::new() }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Records a generated token (penalties count generated tokens only, as OpenAI does).
+    pub fn accept(&mut self, token: u32) {
+        *self.counts.entry(token).or_insert(0) += 1;
+    }
+
+    /// Whether `sample` needs the logits on the host (greedy without penalties does not).
+    pub fn needs_logits(&self) -> bool {
+        !self.params.is_greedy() || self.params.has_penalties()
+    }
+
+    /// Chooses the next token from one logits row.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        let mut row;
+        let logits = if p.has_penalties() && !self.counts.is_empty() {
+            row = logits.to_vec();
+            for (&tok, &n) in &self.counts {
+                if let Some(l) = row.get_mut(tok as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+                }
+            }
+            &row[..]
+        } else {
+            logits
+        };
+        if p.is_greedy() {
+            return argmax(logits);
+        }
+        // Candidates (id, logit), best first, limited by top-k and the top-p prefilter.
+        let limit = if p.top_k > 0 { p.top_k.min(logits.len()) } else { logits.len() };
+        let mut cand = top_candidates(logits, limit.min(TOP_P_PREFILTER));
+        let mut probs = softmax_scaled(&cand, p.temperature);
+        if limit > cand.len() && p.top_p < 1.0 {
+            // The prefilter is only exact if the nucleus fits inside it; check against the
+            // full distribution and widen when it does not.
+            let covered = covered_mass(logits, &cand, p.temperature);
+            if covered < p.top_p {
+                cand = top_candidates(logits, limit);
+                probs = softmax_scaled(&cand, p.temperature);
+            }
+        } else if limit > cand.len() {
+            cand = top_candidates(logits, limit);
+            probs = softmax_scaled(&cand, p.temperature);
+        }
+        let mut keep = cand.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0f32;
+            for (i, pr) in probs.iter().enumerate() {
+                acc += pr;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let floor = p.min_p * probs[0];
+            keep = keep.min(probs.iter().take_while(|&&pr| pr >= floor).count().max(1));
+        }
+        let total: f32 = probs[..keep].iter().sum();
+        let mut u = self.rng.random::<f32>() * total;
+        for (i, pr) in probs[..keep].iter().enumerate() {
+            if u < *pr {
+                return cand[i].0;
+            }
+            u -= pr;
+        }
+        cand[keep - 1].0
+    }
+}
+
+/// The `n` largest logits as (id, logit), sorted descending, ties to the lower id; NaN never
+/// selected.
+fn top_candidates(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut all: Vec<(u32, f32)> = logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)).collect();
+    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let n = n.min(all.len()).max(1).min(all.len());
+    if n < all.len() {
+        all.select_nth_unstable_by(n - 1, order);
+        all.truncate(n);
+    }
+    all.sort_by(order);
+    all
+}
+
+fn softmax_scaled(cand: &[(u32, f32)], temperature: f32) -> Vec<f32> {
+    let m = cand.first().map_or(0.0, |c| c.1);
+    let e: Vec<f32> = cand.iter().map(|c| ((c.1 - m) / temperature).exp()).collect();
+    let z: f32 = e.iter().sum();
+    e.into_iter().map(|x| x / z).collect()
+}
+
+/// Fraction of the full softmax mass held by `cand`.
+fn covered_mass(logits: &[f32], cand: &[(u32, f32)], temperature: f32) -> f32 {
+    let m = cand.first().map_or(0.0, |c| c.1);
+    let total: f64 = logits.iter().filter(|l| !l.is_nan()).map(|l| (((l - m) / temperature) as f64).exp()).sum();
+    let part: f64 = cand.iter().map(|c| (((c.1 - m) / temperature) as f64).exp()).sum();
+    (part / total) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(t: f32) -> SamplingParams {
+        SamplingParams { temperature: t, seed: Some(7), ..Default::default() }
+    }
+
+    #[test]
+    fn greedy_is_the_first_argmax() {
+        let mut s = Sampler::new(SamplingParams::greedy());
+        assert_eq!(s.sample(&[0.0, 2.0, 2.0, 1.0]), 1);
+        assert!(!s.needs_logits());
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_draws() {
+        let logits: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32 * 0.05).collect();
+        let draw = |seed| {
+            let mut s = Sampler::new(SamplingParams { seed: Some(seed), ..params(1.0) });
+            (0..50).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(1), draw(1));
+        assert_ne!(draw(1), draw(2));
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_are_greedy() {
+        let logits = [0.5, 3.0, 2.9, -1.0];
+        let mut s = Sampler::new(SamplingParams { top_k: 1, ..params(1.0) });
+        assert!((0..100).all(|_| s.sample(&logits) == 1));
+        let mut s = Sampler::new(SamplingParams { top_p: 1e-6, ..params(1.0) });
+        assert!((0..100).all(|_| s.sample(&logits) == 1));
+        let mut s = Sampler::new(SamplingParams { min_p: 0.99, ..params(1.0) });
+        assert!((0..100).all(|_| s.sample(&logits) == 1));
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution() {
+        // Two tokens with probabilities 0.2 and 0.8 at temperature 1.
+        let logits = [0.0, 4f32.ln()];
+        let mut s = Sampler::new(params(1.0));
+        let n = 20_000;
+        let ones = (0..n).filter(|_| s.sample(&logits) == 1).count();
+        let f = ones as f64 / n as f64;
+        assert!((f - 0.8).abs() < 0.02, "frequency of the likelier token {f}");
+    }
+
+    #[test]
+    fn penalties_discourage_repeats() {
+        let logits = [1.0, 0.9];
+        let mut s = Sampler::new(SamplingParams { presence_penalty: 0.5, ..SamplingParams::greedy() });
+        assert!(s.needs_logits());
+        assert_eq!(s.sample(&logits), 0);
+        s.accept(0);
+        assert_eq!(s.sample(&logits), 1);
+    }
+
+    #[test]
+    fn top_p_beyond_the_prefilter_is_exact() {
+        // A flat distribution over 10k tokens: the nucleus at 0.9 needs 9000 of them.
+        let logits = vec![0.0f32; 10_000];
+        let mut s = Sampler::new(SamplingParams { top_p: 0.9, ..params(1.0) });
+        let max = (0..2000).map(|_| s.sample(&logits)).max().unwrap_or(0);
+        assert!(max > TOP_P_PREFILTER as u32, "draws never left the prefilter (max id {max})");
+    }
+}
