@@ -84,7 +84,8 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Channels of the GDN causal conv: q and k (key heads) and v (value heads).
     pub fn conv_dim(&self) -> usize {
-        2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+        2 * self.linear_key_heads * self.linear_key_dim
+            + self.linear_value_heads * self.linear_value_dim
     }
     pub fn key_dim(&self) -> usize {
         self.linear_key_heads * self.linear_key_dim
@@ -93,7 +94,10 @@ impl ModelConfig {
         self.linear_value_heads * self.linear_value_dim
     }
     pub fn num_full_attention_layers(&self) -> usize {
-        self.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count()
+        self.layer_types
+            .iter()
+            .filter(|k| **k == LayerKind::FullAttention)
+            .count()
     }
 
     pub fn from_dir(dir: &Path) -> Result<Self> {
@@ -106,8 +110,13 @@ impl ModelConfig {
     }
 
     pub fn from_json(root: &Value) -> Result<Self> {
-        let root_obj = root.as_object().ok_or_else(|| Error::config("config.json is not a JSON object"))?;
-        let model_type = root_obj.get("model_type").and_then(Value::as_str).unwrap_or("<missing>");
+        let root_obj = root
+            .as_object()
+            .ok_or_else(|| Error::config("config.json is not a JSON object"))?;
+        let model_type = root_obj
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("<missing>");
         if model_type != MODEL_TYPE {
             return Err(Error::config(format!(
                 "unsupported model_type {model_type:?}; lily supports {MODEL_TYPE:?} (Qwen3.5/3.6 MoE)"
@@ -149,22 +158,34 @@ impl ModelConfig {
                     return Err(Error::config("full_attention_interval must be positive"));
                 }
                 (0..num_layers)
-                    .map(|i| if (i + 1) % interval == 0 { LayerKind::FullAttention } else { LayerKind::LinearAttention })
+                    .map(|i| {
+                        if (i + 1) % interval == 0 {
+                            LayerKind::FullAttention
+                        } else {
+                            LayerKind::LinearAttention
+                        }
+                    })
                     .collect()
             }
         };
 
         let rope = tc.get("rope_parameters").and_then(Value::as_object);
         let lookup = |key: &str| rope.and_then(|r| r.get(key)).or_else(|| tc.get(key));
-        let rope_theta = lookup("rope_theta").and_then(Value::as_f64).unwrap_or(10_000_000.0);
-        let partial = lookup("partial_rotary_factor").and_then(Value::as_f64).unwrap_or(1.0);
+        let rope_theta = lookup("rope_theta")
+            .and_then(Value::as_f64)
+            .unwrap_or(10_000_000.0);
+        let partial = lookup("partial_rotary_factor")
+            .and_then(Value::as_f64)
+            .unwrap_or(1.0);
         let head_dim = f.usize("head_dim")?;
         let rotary_dim = (head_dim as f64 * partial) as usize;
 
         if let Some(v) = tc.get("attn_output_gate")
             && v.as_bool() != Some(true)
         {
-            return Err(Error::config("attn_output_gate must be true for qwen3_5_moe"));
+            return Err(Error::config(
+                "attn_output_gate must be true for qwen3_5_moe",
+            ));
         }
 
         let eos_token_ids = root_obj
@@ -194,7 +215,10 @@ impl ModelConfig {
             top_k: f.usize("num_experts_per_tok")?,
             moe_intermediate: f.usize("moe_intermediate_size")?,
             shared_intermediate: f.usize("shared_expert_intermediate_size")?,
-            norm_topk_prob: tc.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(true),
+            norm_topk_prob: tc
+                .get("norm_topk_prob")
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
             max_position_embeddings: f.usize_or("max_position_embeddings", 262_144)?,
             tie_word_embeddings: root_obj
                 .get("tie_word_embeddings")
@@ -237,28 +261,34 @@ impl ModelConfig {
             ("hidden_size", self.hidden_size),
             ("moe_intermediate_size", self.moe_intermediate),
             ("shared_expert_intermediate_size", self.shared_intermediate),
-            ("num_attention_heads*head_dim", self.num_heads * self.head_dim),
+            (
+                "num_attention_heads*head_dim",
+                self.num_heads * self.head_dim,
+            ),
             ("linear value dim", self.value_dim()),
         ] {
-            if v % g != 0 {
+            if !v.is_multiple_of(g) {
                 return Err(Error::config(format!(
                     "{name} = {v} is not a multiple of the quantization group size {g}"
                 )));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(Error::config(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_heads, self.num_kv_heads
             )));
         }
-        if self.linear_value_heads % self.linear_key_heads != 0 {
+        if !self
+            .linear_value_heads
+            .is_multiple_of(self.linear_key_heads)
+        {
             return Err(Error::config(format!(
                 "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
                 self.linear_value_heads, self.linear_key_heads
             )));
         }
-        if self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+        if !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
             return Err(Error::config(format!(
                 "rotary dim {} must be even and at most head_dim {}",
                 self.rotary_dim, self.head_dim
@@ -271,10 +301,15 @@ impl ModelConfig {
             )));
         }
         if self.tie_word_embeddings {
-            return Err(Error::config("tie_word_embeddings=true is not supported (qwen3_5_moe has a separate lm_head)"));
+            return Err(Error::config(
+                "tie_word_embeddings=true is not supported (qwen3_5_moe has a separate lm_head)",
+            ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(Error::config(format!("rms_norm_eps {} must be positive", self.rms_norm_eps)));
+            return Err(Error::config(format!(
+                "rms_norm_eps {} must be positive",
+                self.rms_norm_eps
+            )));
         }
         Ok(())
     }
@@ -298,7 +333,11 @@ fn parse_quantization(root: &serde_json::Map<String, Value>) -> Result<QuantConf
         .get("quantization")
         .or_else(|| root.get("quantization_config"))
         .and_then(Value::as_object)
-        .ok_or_else(|| Error::config("config.json has no quantization block: lily needs an MLX affine 4-bit checkpoint"))?;
+        .ok_or_else(|| {
+            Error::config(
+                "config.json has no quantization block: lily needs an MLX affine 4-bit checkpoint",
+            )
+        })?;
     let mode = q.get("mode").and_then(Value::as_str).unwrap_or("affine");
     let bits = q.get("bits").and_then(Value::as_u64).unwrap_or(0);
     let group_size = q.get("group_size").and_then(Value::as_u64).unwrap_or(0);
@@ -307,19 +346,33 @@ fn parse_quantization(root: &serde_json::Map<String, Value>) -> Result<QuantConf
             "unsupported quantization: mode={mode:?}, bits={bits}, group_size={group_size}; expected MLX affine 4-bit with group_size 64"
         )));
     }
-    let default = QuantSpec { bits: 4, group_size: GROUP_SIZE };
+    let default = QuantSpec {
+        bits: 4,
+        group_size: GROUP_SIZE,
+    };
     let mut overrides = BTreeMap::new();
     for (path, spec) in q {
-        let Some(spec) = spec.as_object() else { continue };
+        let Some(spec) = spec.as_object() else {
+            continue;
+        };
         let bits = spec.get("bits").and_then(Value::as_u64).unwrap_or(4);
-        let gs = spec.get("group_size").and_then(Value::as_u64).unwrap_or(GROUP_SIZE as u64);
+        let gs = spec
+            .get("group_size")
+            .and_then(Value::as_u64)
+            .unwrap_or(GROUP_SIZE as u64);
         let smode = spec.get("mode").and_then(Value::as_str).unwrap_or("affine");
         if !(bits == 4 || bits == 8) || gs != GROUP_SIZE as u64 || smode != "affine" {
             return Err(Error::config(format!(
                 "unsupported quantization for {path}: mode={smode:?}, bits={bits}, group_size={gs}; expected affine 4- or 8-bit with group_size 64"
             )));
         }
-        overrides.insert(path.clone(), QuantSpec { bits: bits as u32, group_size: GROUP_SIZE });
+        overrides.insert(
+            path.clone(),
+            QuantSpec {
+                bits: bits as u32,
+                group_size: GROUP_SIZE,
+            },
+        );
     }
     Ok(QuantConfig { default, overrides })
 }
@@ -330,19 +383,26 @@ struct Fields<'a>(&'a serde_json::Map<String, Value>);
 impl Fields<'_> {
     fn usize(&self, key: &str) -> Result<usize> {
         match self.0.get(key) {
-            Some(v) => v
-                .as_u64()
-                .map(|n| n as usize)
-                .ok_or_else(|| Error::config(format!("config field {key} is {v}; expected a non-negative integer"))),
+            Some(v) => v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                Error::config(format!(
+                    "config field {key} is {v}; expected a non-negative integer"
+                ))
+            }),
             None => Err(Error::config(format!("config field {key} is missing"))),
         }
     }
     fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
-        if self.0.get(key).is_none_or(Value::is_null) { Ok(default) } else { self.usize(key) }
+        if self.0.get(key).is_none_or(Value::is_null) {
+            Ok(default)
+        } else {
+            self.usize(key)
+        }
     }
     fn f64(&self, key: &str) -> Result<f64> {
         match self.0.get(key) {
-            Some(v) => v.as_f64().ok_or_else(|| Error::config(format!("config field {key} is {v}; expected a number"))),
+            Some(v) => v.as_f64().ok_or_else(|| {
+                Error::config(format!("config field {key} is {v}; expected a number"))
+            }),
             None => Err(Error::config(format!("config field {key} is missing"))),
         }
     }

@@ -35,7 +35,10 @@ impl Error {
         Error::Invalid(msg.into())
     }
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        Error::Io { context: context.into(), source }
+        Error::Io {
+            context: context.into(),
+            source,
+        }
     }
 }
 

@@ -72,7 +72,9 @@ impl<B: Backend> Engine<B> {
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         let vocab = self.model.cfg.vocab_size;
         match tokens.iter().find(|&&t| t as usize >= vocab) {
-            Some(bad) => Err(Error::invalid(format!("token id {bad} is outside the model's vocabulary of {vocab}"))),
+            Some(bad) => Err(Error::invalid(format!(
+                "token id {bad} is outside the model's vocabulary of {vocab}"
+            ))),
             None => Ok(()),
         }
     }
@@ -139,6 +141,12 @@ impl<B: Backend> Engine<B> {
             decode_fed += 1;
             token = pick(&self.backend, &logits)?;
         };
-        Ok(Generation { tokens, finish, prefill_secs, decode_secs: t1.elapsed().as_secs_f64(), decode_fed })
+        Ok(Generation {
+            tokens,
+            finish,
+            prefill_secs,
+            decode_secs: t1.elapsed().as_secs_f64(),
+            decode_fed,
+        })
     }
 }

@@ -30,13 +30,24 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, min_p: 0.0, presence_penalty: 0.0, frequency_penalty: 0.0, seed: None }
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+        }
     }
 }
 
 impl SamplingParams {
     pub fn greedy() -> Self {
-        SamplingParams { temperature: 0.0, ..Default::default() }
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
     }
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
@@ -63,7 +74,11 @@ impl Sampler {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
         };
-        Sampler { params, rng, counts: HashMap::new() }
+        Sampler {
+            params,
+            rng,
+            counts: HashMap::new(),
+        }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -99,7 +114,11 @@ impl Sampler {
             return argmax(logits);
         }
         // Candidates (id, logit), best first, limited by top-k and the top-p prefilter.
-        let limit = if p.top_k > 0 { p.top_k.min(logits.len()) } else { logits.len() };
+        let limit = if p.top_k > 0 {
+            p.top_k.min(logits.len())
+        } else {
+            logits.len()
+        };
         let mut cand = top_candidates(logits, limit.min(TOP_P_PREFILTER));
         let mut probs = softmax_scaled(&cand, p.temperature);
         if limit > cand.len() && p.top_p < 1.0 {
@@ -144,7 +163,12 @@ impl Sampler {
 /// The `n` largest logits as (id, logit), sorted descending, ties to the lower id; NaN never
 /// selected.
 fn top_candidates(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
-    let mut all: Vec<(u32, f32)> = logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)).collect();
+    let mut all: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| !l.is_nan())
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
     let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     let n = n.min(all.len()).max(1).min(all.len());
     if n < all.len() {
@@ -157,7 +181,10 @@ fn top_candidates(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
 
 fn softmax_scaled(cand: &[(u32, f32)], temperature: f32) -> Vec<f32> {
     let m = cand.first().map_or(0.0, |c| c.1);
-    let e: Vec<f32> = cand.iter().map(|c| ((c.1 - m) / temperature).exp()).collect();
+    let e: Vec<f32> = cand
+        .iter()
+        .map(|c| ((c.1 - m) / temperature).exp())
+        .collect();
     let z: f32 = e.iter().sum();
     e.into_iter().map(|x| x / z).collect()
 }
@@ -165,8 +192,15 @@ fn softmax_scaled(cand: &[(u32, f32)], temperature: f32) -> Vec<f32> {
 /// Fraction of the full softmax mass held by `cand`.
 fn covered_mass(logits: &[f32], cand: &[(u32, f32)], temperature: f32) -> f32 {
     let m = cand.first().map_or(0.0, |c| c.1);
-    let total: f64 = logits.iter().filter(|l| !l.is_nan()).map(|l| (((l - m) / temperature) as f64).exp()).sum();
-    let part: f64 = cand.iter().map(|c| (((c.1 - m) / temperature) as f64).exp()).sum();
+    let total: f64 = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .map(|l| (((l - m) / temperature) as f64).exp())
+        .sum();
+    let part: f64 = cand
+        .iter()
+        .map(|c| (((c.1 - m) / temperature) as f64).exp())
+        .sum();
     (part / total) as f32
 }
 
@@ -175,7 +209,11 @@ mod tests {
     use super::*;
 
     fn params(t: f32) -> SamplingParams {
-        SamplingParams { temperature: t, seed: Some(7), ..Default::default() }
+        SamplingParams {
+            temperature: t,
+            seed: Some(7),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -189,7 +227,10 @@ mod tests {
     fn the_same_seed_gives_the_same_draws() {
         let logits: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32 * 0.05).collect();
         let draw = |seed| {
-            let mut s = Sampler::new(SamplingParams { seed: Some(seed), ..params(1.0) });
+            let mut s = Sampler::new(SamplingParams {
+                seed: Some(seed),
+                ..params(1.0)
+            });
             (0..50).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(draw(1), draw(1));
@@ -199,11 +240,20 @@ mod tests {
     #[test]
     fn top_k_one_and_tiny_top_p_are_greedy() {
         let logits = [0.5, 3.0, 2.9, -1.0];
-        let mut s = Sampler::new(SamplingParams { top_k: 1, ..params(1.0) });
+        let mut s = Sampler::new(SamplingParams {
+            top_k: 1,
+            ..params(1.0)
+        });
         assert!((0..100).all(|_| s.sample(&logits) == 1));
-        let mut s = Sampler::new(SamplingParams { top_p: 1e-6, ..params(1.0) });
+        let mut s = Sampler::new(SamplingParams {
+            top_p: 1e-6,
+            ..params(1.0)
+        });
         assert!((0..100).all(|_| s.sample(&logits) == 1));
-        let mut s = Sampler::new(SamplingParams { min_p: 0.99, ..params(1.0) });
+        let mut s = Sampler::new(SamplingParams {
+            min_p: 0.99,
+            ..params(1.0)
+        });
         assert!((0..100).all(|_| s.sample(&logits) == 1));
     }
 
@@ -215,13 +265,19 @@ mod tests {
         let n = 20_000;
         let ones = (0..n).filter(|_| s.sample(&logits) == 1).count();
         let f = ones as f64 / n as f64;
-        assert!((f - 0.8).abs() < 0.02, "frequency of the likelier token {f}");
+        assert!(
+            (f - 0.8).abs() < 0.02,
+            "frequency of the likelier token {f}"
+        );
     }
 
     #[test]
     fn penalties_discourage_repeats() {
         let logits = [1.0, 0.9];
-        let mut s = Sampler::new(SamplingParams { presence_penalty: 0.5, ..SamplingParams::greedy() });
+        let mut s = Sampler::new(SamplingParams {
+            presence_penalty: 0.5,
+            ..SamplingParams::greedy()
+        });
         assert!(s.needs_logits());
         assert_eq!(s.sample(&logits), 0);
         s.accept(0);
@@ -232,8 +288,14 @@ mod tests {
     fn top_p_beyond_the_prefilter_is_exact() {
         // A flat distribution over 10k tokens: the nucleus at 0.9 needs 9000 of them.
         let logits = vec![0.0f32; 10_000];
-        let mut s = Sampler::new(SamplingParams { top_p: 0.9, ..params(1.0) });
+        let mut s = Sampler::new(SamplingParams {
+            top_p: 0.9,
+            ..params(1.0)
+        });
         let max = (0..2000).map(|_| s.sample(&logits)).max().unwrap_or(0);
-        assert!(max > TOP_P_PREFILTER as u32, "draws never left the prefilter (max id {max})");
+        assert!(
+            max > TOP_P_PREFILTER as u32,
+            "draws never left the prefilter (max id {max})"
+        );
     }
 }

@@ -37,7 +37,12 @@ pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5 << 30;
 const CHUNK_BYTES: usize = 4 << 20;
 
 /// Tokenizer-side files copied from `tokenizer_from`; `tokenizer.json` is required.
-const TOKENIZER_FILES: &[&str] = &["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"];
+const TOKENIZER_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+];
 
 /// Token ids of the real Qwen3.6 tokenizer that config.json carries.
 const BOS_TOKEN_ID: u32 = 248_044;
@@ -165,7 +170,8 @@ impl SynthSpec {
     }
 
     fn conv_dim(&self) -> usize {
-        2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+        2 * self.linear_key_heads * self.linear_key_dim
+            + self.linear_value_heads * self.linear_value_dim
     }
 
     /// Checks the shape by parsing the config it would write, so anything the engine would
@@ -184,7 +190,8 @@ impl SynthSpec {
         if self.max_shard_bytes == 0 {
             return Err(Error::invalid("max_shard_bytes must be positive"));
         }
-        ModelConfig::from_json(&self.config_json()).map_err(|e| Error::invalid(format!("synth shape rejected: {e}")))
+        ModelConfig::from_json(&self.config_json())
+            .map_err(|e| Error::invalid(format!("synth shape rejected: {e}")))
     }
 
     /// The per-module quantization entries mlx-lm writes: 8-bit router and shared-expert gate.
@@ -195,7 +202,10 @@ impl SynthSpec {
         q.insert("mode".into(), json!("affine"));
         for i in 0..self.layers {
             for m in ["mlp.gate", "mlp.shared_expert_gate"] {
-                q.insert(format!("language_model.model.layers.{i}.{m}"), json!({"group_size": GROUP_SIZE, "bits": 8}));
+                q.insert(
+                    format!("language_model.model.layers.{i}.{m}"),
+                    json!({"group_size": GROUP_SIZE, "bits": 8}),
+                );
             }
         }
         Value::Object(q)
@@ -205,11 +215,19 @@ impl SynthSpec {
     /// keys sorted as mlx-lm's `save_config` does, text_config in Hugging Face order).
     pub fn config_json(&self) -> Value {
         let layer_types: Vec<&str> = (0..self.layers)
-            .map(|i| if self.is_full_attention(i) { "full_attention" } else { "linear_attention" })
+            .map(|i| {
+                if self.is_full_attention(i) {
+                    "full_attention"
+                } else {
+                    "linear_attention"
+                }
+            })
             .collect();
         // Interleaved mrope splits the rotary half-dims over (t, h, w); [11, 11, 10] for 64.
         let half = self.rotary_dim() / 2;
-        let mrope_section: Vec<usize> = (0..3).map(|i| half / 3 + usize::from(i < half % 3)).collect();
+        let mrope_section: Vec<usize> = (0..3)
+            .map(|i| half / 3 + usize::from(i < half % 3))
+            .collect();
         let theta = if self.rope_theta.fract() == 0.0 && self.rope_theta.abs() < 1e15 {
             json!(self.rope_theta as i64)
         } else {
@@ -302,7 +320,14 @@ impl SynthSpec {
         let mut p = Planner { out: Vec::new() };
         let h = self.hidden;
         let inv = |n: usize| 1.0 / (n as f64).sqrt();
-        p.quant("language_model.model.embed_tokens", &[], self.vocab, h, 4, 1.0);
+        p.quant(
+            "language_model.model.embed_tokens",
+            &[],
+            self.vocab,
+            h,
+            4,
+            1.0,
+        );
         for i in 0..self.layers {
             let l = format!("language_model.model.layers.{i}.");
             if self.is_full_attention(i) {
@@ -313,24 +338,65 @@ impl SynthSpec {
                 p.quant(&format!("{a}k_proj"), &[], kvd, h, 4, inv(h));
                 p.quant(&format!("{a}v_proj"), &[], kvd, h, 4, inv(h));
                 p.quant(&format!("{a}o_proj"), &[], h, qd, 4, inv(qd));
-                p.dense(&format!("{a}q_norm.weight"), Dtype::BF16, vec![self.head_dim], Init::Gain);
-                p.dense(&format!("{a}k_norm.weight"), Dtype::BF16, vec![self.head_dim], Init::Gain);
+                p.dense(
+                    &format!("{a}q_norm.weight"),
+                    Dtype::BF16,
+                    vec![self.head_dim],
+                    Init::Gain,
+                );
+                p.dense(
+                    &format!("{a}k_norm.weight"),
+                    Dtype::BF16,
+                    vec![self.head_dim],
+                    Init::Gain,
+                );
             } else {
                 let a = format!("{l}linear_attn.");
                 let (c, hv) = (self.conv_dim(), self.linear_value_heads);
                 let vd = hv * self.linear_value_dim;
-                p.dense(&format!("{a}conv1d.weight"), Dtype::BF16, vec![c, self.conv_kernel, 1], Init::Normal { mean: 0.0, std: 0.5 });
+                p.dense(
+                    &format!("{a}conv1d.weight"),
+                    Dtype::BF16,
+                    vec![c, self.conv_kernel, 1],
+                    Init::Normal {
+                        mean: 0.0,
+                        std: 0.5,
+                    },
+                );
                 p.quant(&format!("{a}in_proj_qkv"), &[], c, h, 4, inv(h));
                 p.quant(&format!("{a}in_proj_z"), &[], vd, h, 4, inv(h));
                 p.quant(&format!("{a}in_proj_b"), &[], hv, h, 4, inv(h));
                 p.quant(&format!("{a}in_proj_a"), &[], hv, h, 4, inv(h));
-                p.dense(&format!("{a}dt_bias"), Dtype::BF16, vec![hv], Init::Normal { mean: 1.0, std: 0.5 });
+                p.dense(
+                    &format!("{a}dt_bias"),
+                    Dtype::BF16,
+                    vec![hv],
+                    Init::Normal {
+                        mean: 1.0,
+                        std: 0.5,
+                    },
+                );
                 p.dense(&format!("{a}A_log"), Dtype::F32, vec![hv], Init::ALog);
-                p.dense(&format!("{a}norm.weight"), Dtype::BF16, vec![self.linear_value_dim], Init::Gain);
+                p.dense(
+                    &format!("{a}norm.weight"),
+                    Dtype::BF16,
+                    vec![self.linear_value_dim],
+                    Init::Gain,
+                );
                 p.quant(&format!("{a}out_proj"), &[], h, vd, 4, inv(vd));
             }
-            p.dense(&format!("{l}input_layernorm.weight"), Dtype::BF16, vec![h], Init::Gain);
-            p.dense(&format!("{l}post_attention_layernorm.weight"), Dtype::BF16, vec![h], Init::Gain);
+            p.dense(
+                &format!("{l}input_layernorm.weight"),
+                Dtype::BF16,
+                vec![h],
+                Init::Gain,
+            );
+            p.dense(
+                &format!("{l}post_attention_layernorm.weight"),
+                Dtype::BF16,
+                vec![h],
+                Init::Gain,
+            );
             let m = format!("{l}mlp.");
             let (e, mi, si) = (self.experts, self.moe_inter, self.shared_inter);
             // Gain 3 on the router: decisive routing, few top-k near-ties (as the tiny fixture).
@@ -338,14 +404,40 @@ impl SynthSpec {
             p.quant(&format!("{m}switch_mlp.gate_proj"), &[e], mi, h, 4, inv(h));
             p.quant(&format!("{m}switch_mlp.up_proj"), &[e], mi, h, 4, inv(h));
             p.quant(&format!("{m}switch_mlp.down_proj"), &[e], h, mi, 4, inv(mi));
-            p.quant(&format!("{m}shared_expert.gate_proj"), &[], si, h, 4, inv(h));
-            p.quant(&format!("{m}shared_expert.down_proj"), &[], h, si, 4, inv(si));
+            p.quant(
+                &format!("{m}shared_expert.gate_proj"),
+                &[],
+                si,
+                h,
+                4,
+                inv(h),
+            );
+            p.quant(
+                &format!("{m}shared_expert.down_proj"),
+                &[],
+                h,
+                si,
+                4,
+                inv(si),
+            );
             p.quant(&format!("{m}shared_expert.up_proj"), &[], si, h, 4, inv(h));
             p.quant(&format!("{m}shared_expert_gate"), &[], 1, h, 8, inv(h));
         }
-        p.dense("language_model.model.norm.weight", Dtype::BF16, vec![h], Init::Gain);
+        p.dense(
+            "language_model.model.norm.weight",
+            Dtype::BF16,
+            vec![h],
+            Init::Gain,
+        );
         // Gain 2 on the head: a clear argmax.
-        p.quant("language_model.lm_head", &[], self.vocab, h, 4, 2.0 * inv(h));
+        p.quant(
+            "language_model.lm_head",
+            &[],
+            self.vocab,
+            h,
+            4,
+            2.0 * inv(h),
+        );
         p.out
     }
 
@@ -391,11 +483,22 @@ enum Init {
     Codes,
     /// Per-group scales (or biases) of a quantized projection whose dequantized weight should
     /// have std `target_std`; `group_key` ties the scales and biases of one projection together.
-    Scales { bits: u32, target_std: f64, group_key: u64 },
-    Biases { bits: u32, target_std: f64, group_key: u64 },
+    Scales {
+        bits: u32,
+        target_std: f64,
+        group_key: u64,
+    },
+    Biases {
+        bits: u32,
+        target_std: f64,
+        group_key: u64,
+    },
     /// Norm gain `1 + N(0, 0.1)` (MLX stores Qwen's zero-centred gains with the +1 folded in).
     Gain,
-    Normal { mean: f64, std: f64 },
+    Normal {
+        mean: f64,
+        std: f64,
+    },
     /// `ln U(1, 16)`.
     ALog,
 }
@@ -427,12 +530,27 @@ struct Planner {
 impl Planner {
     fn dense(&mut self, name: &str, dtype: Dtype, shape: Vec<usize>, init: Init) {
         let n: usize = shape.iter().product();
-        self.out.push(Planned { name: name.to_string(), dtype, shape, init, key: fnv1a(name), logical_params: n as u64 });
+        self.out.push(Planned {
+            name: name.to_string(),
+            dtype,
+            shape,
+            init,
+            key: fnv1a(name),
+            logical_params: n as u64,
+        });
     }
 
     /// An MLX affine quantized projection `base` with logical shape `lead ++ [out, inp]`:
     /// `.weight` U32 `[.., out, inp*bits/32]` then `.scales`/`.biases` BF16 `[.., out, inp/64]`.
-    fn quant(&mut self, base: &str, lead: &[usize], out: usize, inp: usize, bits: u32, target_std: f64) {
+    fn quant(
+        &mut self,
+        base: &str,
+        lead: &[usize],
+        out: usize,
+        inp: usize,
+        bits: u32,
+        target_std: f64,
+    ) {
         let group_key = fnv1a(base);
         let shape = |last: usize| {
             let mut s = lead.to_vec();
@@ -445,11 +563,38 @@ impl Planner {
         let mut push = |suffix: &str, dtype: Dtype, shape: Vec<usize>, init: Init, params: u64| {
             let name = format!("{base}.{suffix}");
             let key = fnv1a(&name);
-            self.out.push(Planned { name, dtype, shape, init, key, logical_params: params });
+            self.out.push(Planned {
+                name,
+                dtype,
+                shape,
+                init,
+                key,
+                logical_params: params,
+            });
         };
         push("weight", Dtype::U32, shape(words), Init::Codes, logical);
-        push("scales", Dtype::BF16, shape(groups), Init::Scales { bits, target_std, group_key }, 0);
-        push("biases", Dtype::BF16, shape(groups), Init::Biases { bits, target_std, group_key }, 0);
+        push(
+            "scales",
+            Dtype::BF16,
+            shape(groups),
+            Init::Scales {
+                bits,
+                target_std,
+                group_key,
+            },
+            0,
+        );
+        push(
+            "biases",
+            Dtype::BF16,
+            shape(groups),
+            Init::Biases {
+                bits,
+                target_std,
+                group_key,
+            },
+            0,
+        );
     }
 }
 
@@ -465,7 +610,9 @@ fn mix64(mut z: u64) -> u64 {
 }
 
 fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// A stream seed for (checkpoint seed, tensor key, index).
@@ -494,7 +641,7 @@ impl SplitMix {
 }
 
 /// Scale and bias of group `g` of a quantized projection, identical whichever of the two
-/// tensors (or chunk) asks. Codes are uniform with mean `m` and std `s_c`; the scale gives the
+/// tensors (or chunk) asks. Codes are uniform over `0..2^bits`; the scale gives the
 /// dequantized weight std `target_std`, the bias centres it; both get mild per-group jitter.
 fn group_affine(seed: u64, bits: u32, target_std: f64, group_key: u64, g: u64) -> (bf16, bf16) {
     let levels = f64::from(1u32 << bits);
@@ -520,7 +667,16 @@ fn fill(t: &Planned, seed: u64, chunk: u64, first: u64, buf: &mut [u8]) {
             let last = r.next_u64().to_le_bytes();
             rest.copy_from_slice(&last[..rest.len()]);
         }
-        Init::Scales { bits, target_std, group_key } | Init::Biases { bits, target_std, group_key } => {
+        Init::Scales {
+            bits,
+            target_std,
+            group_key,
+        }
+        | Init::Biases {
+            bits,
+            target_std,
+            group_key,
+        } => {
             let want_scale = matches!(t.init, Init::Scales { .. });
             for (i, out) in buf.chunks_exact_mut(2).enumerate() {
                 let (s, b) = group_affine(seed, bits, target_std, group_key, first + i as u64);
@@ -579,7 +735,8 @@ fn header_bytes(plan: &[Planned], tensors: &[usize], offsets: &[u64]) -> Result<
     let mut s = String::from("{\"__metadata__\":{\"format\":\"mlx\"}");
     for (&i, &off) in tensors.iter().zip(offsets) {
         let t = &plan[i];
-        let name = serde_json::to_string(&t.name).map_err(|e| Error::invalid(format!("tensor name {}: {e}", t.name)))?;
+        let name = serde_json::to_string(&t.name)
+            .map_err(|e| Error::invalid(format!("tensor name {}: {e}", t.name)))?;
         let shape: Vec<String> = t.shape.iter().map(usize::to_string).collect();
         s.push_str(&format!(
             ",{name}:{{\"data_offsets\":[{off},{}],\"dtype\":\"{}\",\"shape\":[{}]}}",
@@ -625,10 +782,19 @@ fn make_shards(plan: &[Planned], max_bytes: u64) -> Result<Vec<Shard>> {
                 offsets.push(off);
                 off += plan[i].nbytes();
             }
-            let file =
-                if count > 1 { format!("model-{:05}-of-{count:05}.safetensors", n + 1) } else { "model.safetensors".to_string() };
+            let file = if count > 1 {
+                format!("model-{:05}-of-{count:05}.safetensors", n + 1)
+            } else {
+                "model.safetensors".to_string()
+            };
             let header = header_bytes(plan, &tensors, &offsets)?;
-            Ok(Shard { file, tensors, offsets, header, data_bytes: off })
+            Ok(Shard {
+                file,
+                tensors,
+                offsets,
+                header,
+                data_bytes: off,
+            })
         })
         .collect()
 }
@@ -636,43 +802,79 @@ fn make_shards(plan: &[Planned], max_bytes: u64) -> Result<Vec<Shard>> {
 /// Python `json.dump(obj, f, indent=N)` style (what mlx-lm and transformers write).
 fn pretty_json(v: &Value, indent: &[u8]) -> Result<Vec<u8>> {
     let mut buf = Vec::new();
-    let mut ser = serde_json::Serializer::with_formatter(&mut buf, serde_json::ser::PrettyFormatter::with_indent(indent));
-    v.serialize(&mut ser).map_err(|e| Error::invalid(format!("serializing JSON: {e}")))?;
+    let mut ser = serde_json::Serializer::with_formatter(
+        &mut buf,
+        serde_json::ser::PrettyFormatter::with_indent(indent),
+    );
+    v.serialize(&mut ser)
+        .map_err(|e| Error::invalid(format!("serializing JSON: {e}")))?;
     Ok(buf)
 }
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
-    f.write_all(bytes).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    let mut f =
+        File::create(path).map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+    f.write_all(bytes)
+        .map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
 /// Writes a random-weight checkpoint of `spec` to `out_dir` (which must not exist or be empty).
-pub fn write_checkpoint(spec: &SynthSpec, out_dir: &Path, tokenizer_from: Option<&Path>, threads: usize) -> Result<SynthReport> {
-    write_checkpoint_with(spec, out_dir, &WriteOptions { tokenizer_from, threads, force: false })
+pub fn write_checkpoint(
+    spec: &SynthSpec,
+    out_dir: &Path,
+    tokenizer_from: Option<&Path>,
+    threads: usize,
+) -> Result<SynthReport> {
+    write_checkpoint_with(
+        spec,
+        out_dir,
+        &WriteOptions {
+            tokenizer_from,
+            threads,
+            force: false,
+        },
+    )
 }
 
 /// [`write_checkpoint`] with every option. Everything is written into a hidden sibling
 /// directory and renamed to `out_dir` at the end, so a partial run never looks complete.
-pub fn write_checkpoint_with(spec: &SynthSpec, out_dir: &Path, opts: &WriteOptions<'_>) -> Result<SynthReport> {
+pub fn write_checkpoint_with(
+    spec: &SynthSpec,
+    out_dir: &Path,
+    opts: &WriteOptions<'_>,
+) -> Result<SynthReport> {
     let t0 = Instant::now();
     spec.validate()?;
     let name = out_dir
         .file_name()
         .and_then(|n| n.to_str())
-        .ok_or_else(|| Error::invalid(format!("output path {} has no usable directory name", out_dir.display())))?
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "output path {} has no usable directory name",
+                out_dir.display()
+            ))
+        })?
         .to_string();
     let replace_existing = check_out_dir(out_dir, opts.force)?;
     if let Some(dir) = opts.tokenizer_from
         && !dir.join("tokenizer.json").is_file()
     {
-        return Err(Error::invalid(format!("--tokenizer-from {}: no tokenizer.json there", dir.display())));
+        return Err(Error::invalid(format!(
+            "--tokenizer-from {}: no tokenizer.json there",
+            dir.display()
+        )));
     }
-    let parent = out_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = out_dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let tmp = parent.join(format!(".{name}.synth-tmp-{}", std::process::id()));
     if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(format!("removing stale {}", tmp.display()), e))?;
+        std::fs::remove_dir_all(&tmp)
+            .map_err(|e| Error::io(format!("removing stale {}", tmp.display()), e))?;
     }
-    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+    std::fs::create_dir_all(&tmp)
+        .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
     let result = write_into(spec, &tmp, opts);
     let report = match result {
         Ok(r) => r,
@@ -686,7 +888,11 @@ pub fn write_checkpoint_with(spec: &SynthSpec, out_dir: &Path, opts: &WriteOptio
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
-    Ok(SynthReport { seconds: t0.elapsed().as_secs_f64(), out_dir: out_dir.to_path_buf(), ..report })
+    Ok(SynthReport {
+        seconds: t0.elapsed().as_secs_f64(),
+        out_dir: out_dir.to_path_buf(),
+        ..report
+    })
 }
 
 /// Returns whether `out_dir` exists and will be replaced; refuses a non-empty one without force.
@@ -694,10 +900,13 @@ fn check_out_dir(out_dir: &Path, force: bool) -> Result<bool> {
     match std::fs::metadata(out_dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(Error::io(format!("checking {}", out_dir.display()), e)),
-        Ok(m) if !m.is_dir() => Err(Error::invalid(format!("{} exists and is not a directory", out_dir.display()))),
+        Ok(m) if !m.is_dir() => Err(Error::invalid(format!(
+            "{} exists and is not a directory",
+            out_dir.display()
+        ))),
         Ok(_) => {
-            let mut entries =
-                std::fs::read_dir(out_dir).map_err(|e| Error::io(format!("reading {}", out_dir.display()), e))?;
+            let mut entries = std::fs::read_dir(out_dir)
+                .map_err(|e| Error::io(format!("reading {}", out_dir.display()), e))?;
             if entries.next().is_some() && !force {
                 return Err(Error::invalid(format!(
                     "{} is not empty; pass --force to replace it",
@@ -711,14 +920,27 @@ fn check_out_dir(out_dir: &Path, force: bool) -> Result<bool> {
 
 /// Moves the finished `tmp` to `out_dir`, replacing an existing one only now that the new
 /// checkpoint is complete.
-fn publish(tmp: &Path, out_dir: &Path, parent: &Path, name: &str, replace_existing: bool) -> Result<()> {
+fn publish(
+    tmp: &Path,
+    out_dir: &Path,
+    parent: &Path,
+    name: &str,
+    replace_existing: bool,
+) -> Result<()> {
     let old = parent.join(format!(".{name}.synth-old-{}", std::process::id()));
     if replace_existing && out_dir.exists() {
-        std::fs::rename(out_dir, &old).map_err(|e| Error::io(format!("moving {} aside", out_dir.display()), e))?;
+        std::fs::rename(out_dir, &old)
+            .map_err(|e| Error::io(format!("moving {} aside", out_dir.display()), e))?;
     }
-    std::fs::rename(tmp, out_dir).map_err(|e| Error::io(format!("renaming {} to {}", tmp.display(), out_dir.display()), e))?;
+    std::fs::rename(tmp, out_dir).map_err(|e| {
+        Error::io(
+            format!("renaming {} to {}", tmp.display(), out_dir.display()),
+            e,
+        )
+    })?;
     if old.exists() {
-        std::fs::remove_dir_all(&old).map_err(|e| Error::io(format!("removing the replaced {}", old.display()), e))?;
+        std::fs::remove_dir_all(&old)
+            .map_err(|e| Error::io(format!("removing the replaced {}", old.display()), e))?;
     }
     Ok(())
 }
@@ -732,9 +954,12 @@ fn write_into(spec: &SynthSpec, dir: &Path, opts: &WriteOptions<'_>) -> Result<S
     let mut files = Vec::with_capacity(shards.len());
     for s in &shards {
         let path = dir.join(&s.file);
-        let f = File::create(&path).map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
-        f.set_len(s.file_bytes()).map_err(|e| Error::io(format!("sizing {}", path.display()), e))?;
-        f.write_all_at(&s.header, 0).map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+        let f = File::create(&path)
+            .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+        f.set_len(s.file_bytes())
+            .map_err(|e| Error::io(format!("sizing {}", path.display()), e))?;
+        f.write_all_at(&s.header, 0)
+            .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
         files.push(f);
     }
     let mut jobs = Vec::new();
@@ -746,7 +971,13 @@ fn write_into(spec: &SynthSpec, dir: &Path, opts: &WriteOptions<'_>) -> Result<S
             for c in 0..chunks {
                 let start = c * CHUNK_BYTES as u64;
                 let len = (n - start).min(CHUNK_BYTES as u64) as usize;
-                jobs.push(Job { shard: si, tensor: ti, chunk: c, file_offset: base + off + start, len });
+                jobs.push(Job {
+                    shard: si,
+                    tensor: ti,
+                    chunk: c,
+                    file_offset: base + off + start,
+                    len,
+                });
             }
         }
     }
@@ -766,31 +997,42 @@ fn write_into(spec: &SynthSpec, dir: &Path, opts: &WriteOptions<'_>) -> Result<S
     );
     let done = AtomicU64::new(0);
     pool.install(|| {
-        jobs.par_iter().with_max_len(1).try_for_each_init(Vec::new, |buf: &mut Vec<u8>, job| -> Result<()> {
-            let t = &plan[job.tensor];
-            buf.resize(job.len, 0);
-            let first = job.chunk * (CHUNK_BYTES / t.dtype.size()) as u64;
-            fill(t, spec.seed, job.chunk, first, buf);
-            files[job.shard]
-                .write_all_at(buf, job.file_offset)
-                .map_err(|e| Error::io(format!("writing {} into {}", t.name, shards[job.shard].file), e))?;
-            let before = done.fetch_add(job.len as u64, Ordering::Relaxed);
-            let after = before + job.len as u64;
-            if tensor_bytes > (1 << 30) && before * 10 / tensor_bytes != after * 10 / tensor_bytes {
-                tracing::info!(
-                    "synth: {}% ({:.1} GB, {:.1}s)",
-                    after * 100 / tensor_bytes,
-                    after as f64 / 1e9,
-                    t0.elapsed().as_secs_f64()
-                );
-            }
-            Ok(())
-        })
+        jobs.par_iter().with_max_len(1).try_for_each_init(
+            Vec::new,
+            |buf: &mut Vec<u8>, job| -> Result<()> {
+                let t = &plan[job.tensor];
+                buf.resize(job.len, 0);
+                let first = job.chunk * (CHUNK_BYTES / t.dtype.size()) as u64;
+                fill(t, spec.seed, job.chunk, first, buf);
+                files[job.shard]
+                    .write_all_at(buf, job.file_offset)
+                    .map_err(|e| {
+                        Error::io(
+                            format!("writing {} into {}", t.name, shards[job.shard].file),
+                            e,
+                        )
+                    })?;
+                let before = done.fetch_add(job.len as u64, Ordering::Relaxed);
+                let after = before + job.len as u64;
+                if tensor_bytes > (1 << 30)
+                    && before * 10 / tensor_bytes != after * 10 / tensor_bytes
+                {
+                    tracing::info!(
+                        "synth: {}% ({:.1} GB, {:.1}s)",
+                        after * 100 / tensor_bytes,
+                        after as f64 / 1e9,
+                        t0.elapsed().as_secs_f64()
+                    );
+                }
+                Ok(())
+            },
+        )
     })?;
     // Durable before the rename publishes it.
     pool.install(|| {
         files.par_iter().zip(&shards).try_for_each(|(f, s)| {
-            f.sync_all().map_err(|e| Error::io(format!("syncing {}", s.file), e))
+            f.sync_all()
+                .map_err(|e| Error::io(format!("syncing {}", s.file), e))
         })
     })?;
     drop(files);
@@ -798,7 +1040,11 @@ fn write_into(spec: &SynthSpec, dir: &Path, opts: &WriteOptions<'_>) -> Result<S
     let plan_ref = &plan;
     let mut weight_map: Vec<(&str, &str)> = shards
         .iter()
-        .flat_map(|s| s.tensors.iter().map(move |&i| (plan_ref[i].name.as_str(), s.file.as_str())))
+        .flat_map(|s| {
+            s.tensors
+                .iter()
+                .map(move |&i| (plan_ref[i].name.as_str(), s.file.as_str()))
+        })
         .collect();
     weight_map.sort();
     let mut wm = serde_json::Map::new();
@@ -809,16 +1055,26 @@ fn write_into(spec: &SynthSpec, dir: &Path, opts: &WriteOptions<'_>) -> Result<S
         "metadata": {"total_size": tensor_bytes, "total_parameters": spec.total_parameters()},
         "weight_map": Value::Object(wm),
     });
-    write_file(&dir.join("model.safetensors.index.json"), &pretty_json(&index, b"    ")?)?;
-    write_file(&dir.join("config.json"), &pretty_json(&spec.config_json(), b"    ")?)?;
-    write_file(&dir.join("generation_config.json"), &pretty_json(&spec.generation_config_json(), b"  ")?)?;
+    write_file(
+        &dir.join("model.safetensors.index.json"),
+        &pretty_json(&index, b"    ")?,
+    )?;
+    write_file(
+        &dir.join("config.json"),
+        &pretty_json(&spec.config_json(), b"    ")?,
+    )?;
+    write_file(
+        &dir.join("generation_config.json"),
+        &pretty_json(&spec.generation_config_json(), b"  ")?,
+    )?;
     if let Some(src) = opts.tokenizer_from {
         for f in TOKENIZER_FILES {
             let from = src.join(f);
             if from.is_file() {
                 // Read and write rather than fs::copy: a read-only source (a shared fixture)
                 // must not make the checkpoint's files read-only.
-                let bytes = std::fs::read(&from).map_err(|e| Error::io(format!("reading {}", from.display()), e))?;
+                let bytes = std::fs::read(&from)
+                    .map_err(|e| Error::io(format!("reading {}", from.display()), e))?;
                 write_file(&dir.join(f), &bytes)?;
             }
         }
@@ -850,8 +1106,14 @@ mod tests {
     #[test]
     fn mrope_section_matches_real_config() {
         let v = SynthSpec::preset("35b-a3b").unwrap().config_json();
-        assert_eq!(v["text_config"]["rope_parameters"]["mrope_section"], json!([11, 11, 10]));
-        assert_eq!(v["text_config"]["rope_parameters"]["rope_theta"], json!(10_000_000));
+        assert_eq!(
+            v["text_config"]["rope_parameters"]["mrope_section"],
+            json!([11, 11, 10])
+        );
+        assert_eq!(
+            v["text_config"]["rope_parameters"]["rope_theta"],
+            json!(10_000_000)
+        );
     }
 
     #[test]
@@ -860,7 +1122,11 @@ mod tests {
         let plan = spec.plan();
         let shards = make_shards(&plan, spec.max_shard_bytes).unwrap();
         assert_eq!(shards.len(), 4);
-        assert!(shards.iter().all(|s| s.data_bytes <= DEFAULT_MAX_SHARD_BYTES));
+        assert!(
+            shards
+                .iter()
+                .all(|s| s.data_bytes <= DEFAULT_MAX_SHARD_BYTES)
+        );
         assert!(shards.iter().all(|s| s.header.len() % 8 == 0));
         assert_eq!(shards[0].file, "model-00001-of-00004.safetensors");
     }

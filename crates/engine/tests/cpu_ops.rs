@@ -15,7 +15,9 @@ fn backend() -> CpuBackend {
 }
 
 fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect()
+    (0..n)
+        .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale)
+        .collect()
 }
 
 fn qweight(rng: &mut StdRng, rows: usize, cols: usize, bits: u32) -> QWeight {
@@ -24,8 +26,16 @@ fn qweight(rng: &mut StdRng, rows: usize, cols: usize, bits: u32) -> QWeight {
     QWeight {
         name: format!("random[{rows}x{cols}]q{bits}"),
         codes: HostSlice::from_vec((0..words).map(|_| rng.random::<u32>()).collect()),
-        scales: HostSlice::from_vec((0..groups).map(|_| bf16::from_f32(rng.random::<f32>() * 0.02 + 0.001)).collect()),
-        biases: HostSlice::from_vec((0..groups).map(|_| bf16::from_f32(-rng.random::<f32>() * 0.1)).collect()),
+        scales: HostSlice::from_vec(
+            (0..groups)
+                .map(|_| bf16::from_f32(rng.random::<f32>() * 0.02 + 0.001))
+                .collect(),
+        ),
+        biases: HostSlice::from_vec(
+            (0..groups)
+                .map(|_| bf16::from_f32(-rng.random::<f32>() * 0.1))
+                .collect(),
+        ),
         rows,
         cols,
         bits,
@@ -41,7 +51,11 @@ fn tensor(b: &CpuBackend, data: Vec<f32>, rows: usize, cols: usize) -> CpuTensor
 fn nmse(a: &[f32], e: &[f32]) -> f64 {
     assert_eq!(a.len(), e.len(), "length mismatch");
     let num: f64 = a.iter().zip(e).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = e.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().max(1e-30);
+    let den: f64 = e
+        .iter()
+        .map(|y| (*y as f64).powi(2))
+        .sum::<f64>()
+        .max(1e-30);
     num / den
 }
 
@@ -56,7 +70,16 @@ fn qmatmul_matches_reference_for_all_paths() {
     let b = backend();
     let mut rng = StdRng::seed_from_u64(1);
     // (rows, cols, tokens): decode GEMV (t<=2) and prefill GEMM paths, model-like and awkward.
-    let cases = [(1, 64, 1), (3, 128, 1), (65, 192, 2), (127, 320, 3), (257, 2048, 1), (100, 512, 17), (512, 2048, 5), (33, 64, 40)];
+    let cases = [
+        (1, 64, 1),
+        (3, 128, 1),
+        (65, 192, 2),
+        (127, 320, 3),
+        (257, 2048, 1),
+        (100, 512, 17),
+        (512, 2048, 5),
+        (33, 64, 40),
+    ];
     for bits in [4, 8] {
         for &(rows, cols, t) in &cases {
             let w = qweight(&mut rng, rows, cols, bits);
@@ -65,7 +88,12 @@ fn qmatmul_matches_reference_for_all_paths() {
             let xt = tensor(&b, x, t, cols);
             let got = b.qmatmul(&xt, &w).expect("qmatmul");
             assert_eq!((got.rows, got.cols), (t, rows));
-            assert_nmse(&format!("qmatmul q{bits} {rows}x{cols} t={t}"), &got.data, &expect, 1e-10);
+            assert_nmse(
+                &format!("qmatmul q{bits} {rows}x{cols} t={t}"),
+                &got.data,
+                &expect,
+                1e-10,
+            );
         }
     }
 }
@@ -76,7 +104,7 @@ fn qmatmul_rejects_a_mismatched_input() {
     let mut rng = StdRng::seed_from_u64(2);
     let w = qweight(&mut rng, 8, 128, 4);
     let x = tensor(&b, vec![0.0; 64], 1, 64);
-    let err = b.qmatmul(&x, &w).err().expect("must fail").to_string();
+    let err = b.qmatmul(&x, &w).expect_err("must fail").to_string();
     assert!(err.contains("64 columns") && err.contains("128"), "{err}");
 }
 
@@ -99,7 +127,10 @@ fn dequant_agrees_with_the_mlx_packing_rule() {
     let b = backend();
     let e = b.embed(&w, &[0]).expect("embed");
     assert_eq!(e.data, row);
-    assert!(b.embed(&w, &[1]).is_err(), "out-of-range token must be an error");
+    assert!(
+        b.embed(&w, &[1]).is_err(),
+        "out-of-range token must be an error"
+    );
 }
 
 #[test]
@@ -111,19 +142,41 @@ fn embed_and_norms_match_reference() {
     let got = b.embed(&table, &toks).expect("embed");
     assert_nmse("embed", &got.data, &r::embed(&table, &toks), 0.0);
 
-    for (rows, cols, dim) in [(1, 2048, 2048), (5, 192, 192), (3, 512, 128), (2, 1024, 256)] {
+    for (rows, cols, dim) in [
+        (1, 2048, 2048),
+        (5, 192, 192),
+        (3, 512, 128),
+        (2, 1024, 256),
+    ] {
         let x = randn(&mut rng, rows * cols, 3.0);
         let w = randn(&mut rng, dim, 1.5);
         let xt = tensor(&b, x.clone(), rows, cols);
         let got = b.head_rms_norm(&xt, &w, dim, 1e-6).expect("norm");
-        assert_nmse("head_rms_norm", &got.data, &r::rms_norm(&x, dim, &w, 1e-6), 1e-12);
+        assert_nmse(
+            "head_rms_norm",
+            &got.data,
+            &r::rms_norm(&x, dim, &w, 1e-6),
+            1e-12,
+        );
         let z = randn(&mut rng, rows * cols, 3.0);
         let zt = tensor(&b, z.clone(), rows, cols);
-        let got = b.gated_rms_norm(&xt, &zt, &w, dim, 1e-6).expect("gated norm");
-        assert_nmse("gated_rms_norm", &got.data, &r::gated_rms_norm(&x, &z, &w, dim, 1e-6), 1e-12);
+        let got = b
+            .gated_rms_norm(&xt, &zt, &w, dim, 1e-6)
+            .expect("gated norm");
+        assert_nmse(
+            "gated_rms_norm",
+            &got.data,
+            &r::gated_rms_norm(&x, &z, &w, dim, 1e-6),
+            1e-12,
+        );
         if dim == cols {
             let got = b.rms_norm(&xt, &w, 1e-6).expect("rms_norm");
-            assert_nmse("rms_norm", &got.data, &r::rms_norm(&x, cols, &w, 1e-6), 1e-12);
+            assert_nmse(
+                "rms_norm",
+                &got.data,
+                &r::rms_norm(&x, cols, &w, 1e-6),
+                1e-12,
+            );
         }
     }
 }
@@ -135,10 +188,23 @@ fn elementwise_ops_match_reference() {
     let (rows, cols) = (3, 320);
     let g = randn(&mut rng, rows * cols, 6.0);
     let u = randn(&mut rng, rows * cols, 2.0);
-    let (gt, ut) = (tensor(&b, g.clone(), rows, cols), tensor(&b, u.clone(), rows, cols));
-    assert_nmse("swiglu", &b.swiglu(&gt, &ut).expect("swiglu").data, &r::swiglu(&g, &u), 1e-14);
+    let (gt, ut) = (
+        tensor(&b, g.clone(), rows, cols),
+        tensor(&b, u.clone(), rows, cols),
+    );
+    assert_nmse(
+        "swiglu",
+        &b.swiglu(&gt, &ut).expect("swiglu").data,
+        &r::swiglu(&g, &u),
+        1e-14,
+    );
     let sm: Vec<f32> = g.iter().zip(&u).map(|(x, y)| x * r::sigmoid(*y)).collect();
-    assert_nmse("sigmoid_mul", &b.sigmoid_mul(&gt, &ut).expect("sigmoid_mul").data, &sm, 1e-14);
+    assert_nmse(
+        "sigmoid_mul",
+        &b.sigmoid_mul(&gt, &ut).expect("sigmoid_mul").data,
+        &sm,
+        1e-14,
+    );
     let mut acc = gt.clone();
     b.add_assign(&mut acc, &ut).expect("add");
     let sum: Vec<f32> = g.iter().zip(&u).map(|(x, y)| x + y).collect();
@@ -146,8 +212,11 @@ fn elementwise_ops_match_reference() {
     let gate = randn(&mut rng, rows, 4.0);
     let gate_t = tensor(&b, gate.clone(), rows, 1);
     let mut out = gt.clone();
-    b.add_sigmoid_gated(&mut out, &ut, &gate_t).expect("gated add");
-    let expect: Vec<f32> = (0..rows * cols).map(|i| g[i] + r::sigmoid(gate[i / cols]) * u[i]).collect();
+    b.add_sigmoid_gated(&mut out, &ut, &gate_t)
+        .expect("gated add");
+    let expect: Vec<f32> = (0..rows * cols)
+        .map(|i| g[i] + r::sigmoid(gate[i / cols]) * u[i])
+        .collect();
     assert_nmse("add_sigmoid_gated", &out.data, &expect, 1e-14);
     let last = b.last_row(&gt).expect("last_row");
     assert_eq!(last.data, g[(rows - 1) * cols..].to_vec());
@@ -169,9 +238,27 @@ fn argmax_takes_the_first_maximum_and_skips_nan() {
 
 fn gdn_shapes() -> Vec<GdnShape> {
     vec![
-        GdnShape { key_heads: 2, value_heads: 4, key_dim: 128, value_dim: 128, conv_kernel: 4 },
-        GdnShape { key_heads: 2, value_heads: 6, key_dim: 128, value_dim: 128, conv_kernel: 4 },
-        GdnShape { key_heads: 1, value_heads: 1, key_dim: 16, value_dim: 24, conv_kernel: 2 },
+        GdnShape {
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 128,
+            value_dim: 128,
+            conv_kernel: 4,
+        },
+        GdnShape {
+            key_heads: 2,
+            value_heads: 6,
+            key_dim: 128,
+            value_dim: 128,
+            conv_kernel: 4,
+        },
+        GdnShape {
+            key_heads: 1,
+            value_heads: 1,
+            key_dim: 16,
+            value_dim: 24,
+            conv_kernel: 2,
+        },
     ]
 }
 
@@ -207,7 +294,9 @@ fn conv_and_gated_delta_rule_match_reference_and_resume_exactly() {
             let hv = sh.value_heads;
             let at = tensor(&b, a[lo * hv..hi * hv].to_vec(), n, hv);
             let bt = tensor(&b, beta[lo * hv..hi * hv].to_vec(), n, hv);
-            let y = b.gdn_recurrence(&conv, &at, &bt, &a_log, &dt_bias, &mut st, &sh).expect("gdn");
+            let y = b
+                .gdn_recurrence(&conv, &at, &bt, &a_log, &dt_bias, &mut st, &sh)
+                .expect("gdn");
             conv_out.extend(conv.data);
             y_out.extend(y.data);
         }
@@ -227,9 +316,27 @@ fn attention_with_cache_matches_reference() {
     let b = backend();
     let mut rng = StdRng::seed_from_u64(6);
     let shapes = [
-        AttnShape { heads: 4, kv_heads: 2, head_dim: 256, rotary_dim: 64, rope_theta: 1e7 },
-        AttnShape { heads: 6, kv_heads: 2, head_dim: 256, rotary_dim: 64, rope_theta: 1e7 },
-        AttnShape { heads: 3, kv_heads: 3, head_dim: 32, rotary_dim: 32, rope_theta: 1e4 },
+        AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 256,
+            rotary_dim: 64,
+            rope_theta: 1e7,
+        },
+        AttnShape {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 256,
+            rotary_dim: 64,
+            rope_theta: 1e7,
+        },
+        AttnShape {
+            heads: 3,
+            kv_heads: 3,
+            head_dim: 32,
+            rotary_dim: 32,
+            rope_theta: 1e4,
+        },
     ];
     for sh in shapes {
         let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
@@ -269,7 +376,10 @@ fn attention_with_cache_matches_reference() {
         let mut small = b.new_kv_cache(&sh, 2).expect("cache");
         let kt = tensor(&b, k[..3 * kvh * d].to_vec(), 3, kvh * d);
         let vt = tensor(&b, v[..3 * kvh * d].to_vec(), 3, kvh * d);
-        let err = b.kv_append(&mut small, &kt, &vt, 0).err().expect("must fail").to_string();
+        let err = b
+            .kv_append(&mut small, &kt, &vt, 0)
+            .expect_err("must fail")
+            .to_string();
         assert!(err.contains("max_seq"), "{err}");
     }
 }
@@ -291,7 +401,9 @@ fn router_picks_top_k_with_ties_to_lowest_id() {
     let mut rng = StdRng::seed_from_u64(7);
     for (e, k, t) in [(32, 8, 5), (256, 8, 3), (16, 4, 1), (12, 3, 2)] {
         let l = randn(&mut rng, t * e, 4.0);
-        let got = b.route(&tensor(&b, l.clone(), t, e), k, true).expect("route");
+        let got = b
+            .route(&tensor(&b, l.clone(), t, e), k, true)
+            .expect("route");
         let (ids, ws) = r::route(&l, e, k, true);
         assert_eq!(got.ids, ids);
         assert_nmse("route weights", &got.weights, &ws, 1e-14);
@@ -305,7 +417,12 @@ fn router_picks_top_k_with_ties_to_lowest_id() {
 fn moe_experts_match_reference() {
     let b = backend();
     let mut rng = StdRng::seed_from_u64(8);
-    for (hdim, inter, e, k, t) in [(64, 64, 32, 8, 1), (192, 128, 12, 3, 7), (128, 64, 4, 4, 2), (256, 128, 16, 2, 20)] {
+    for (hdim, inter, e, k, t) in [
+        (64, 64, 32, 8, 1),
+        (192, 128, 12, 3, 7),
+        (128, 64, 4, 4, 2),
+        (256, 128, 16, 2, 20),
+    ] {
         let gate = qweight(&mut rng, e * inter, hdim, 4);
         let up = qweight(&mut rng, e * inter, hdim, 4);
         let down = qweight(&mut rng, e * hdim, inter, 4);
@@ -315,6 +432,11 @@ fn moe_experts_match_reference() {
         let rt = b.route(&tensor(&b, logits, t, e), k, true).expect("route");
         let got = b.moe_experts(&xt, &rt, &gate, &up, &down).expect("moe");
         let expect = r::moe_experts(&x, t, &rt.ids, &rt.weights, k, e, &gate, &up, &down);
-        assert_nmse(&format!("moe h{hdim} i{inter} e{e} k{k} t{t}"), &got.data, &expect, 1e-10);
+        assert_nmse(
+            &format!("moe h{hdim} i{inter} e{e} k{k} t{t}"),
+            &got.data,
+            &expect,
+            1e-10,
+        );
     }
 }

@@ -18,28 +18,44 @@ const LOGIT_TOL: f32 = 1e-3;
 const MARGIN_TOL: f32 = 2.0 * LOGIT_TOL;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
 }
 
 fn golden(name: &str) -> Value {
     let p = fixture(name).join("golden/golden_f32.json");
-    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()));
+    let text =
+        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()));
     serde_json::from_str(&text).expect("golden JSON")
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().expect("id list").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+    v.as_array()
+        .expect("id list")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
 }
 
 /// Compares one logits row with a golden step record; returns the max |Δ| over its top-10.
 fn compare_step(what: &str, row: &[f32], step: &Value) -> f32 {
     let gids = ids(&step["ids"]);
-    let glog: Vec<f32> = step["logits"].as_array().expect("logits").iter().map(|x| x.as_f64().expect("f") as f32).collect();
+    let glog: Vec<f32> = step["logits"]
+        .as_array()
+        .expect("logits")
+        .iter()
+        .map(|x| x.as_f64().expect("f") as f32)
+        .collect();
     let mut worst = 0.0f32;
     for (id, g) in gids.iter().zip(&glog) {
         let d = (row[*id as usize] - g).abs();
         worst = worst.max(d);
-        assert!(d <= LOGIT_TOL, "{what}: logit of token {id} is {} vs golden {g} (|Δ| {d:e} > {LOGIT_TOL:e})", row[*id as usize]);
+        assert!(
+            d <= LOGIT_TOL,
+            "{what}: logit of token {id} is {} vs golden {g} (|Δ| {d:e} > {LOGIT_TOL:e})",
+            row[*id as usize]
+        );
     }
     worst
 }
@@ -54,7 +70,9 @@ fn run_case(eng: &Engine<CpuBackend>, name: &str, case: &Value, path: &Path) -> 
     let prompt = ids(&case["prompt_ids"]);
     let golden_ids = ids(&case["generated_ids"]);
     let steps = case["steps"].as_array().expect("steps");
-    let mut state = eng.new_state(prompt.len() + golden_ids.len() + 1).expect("state");
+    let mut state = eng
+        .new_state(prompt.len() + golden_ids.len() + 1)
+        .expect("state");
     let mut logits = match path {
         Path::PrefillThenDecode => eng.prefill(&prompt, &mut state).expect("prefill"),
         Path::DecodeOnly => {
@@ -75,8 +93,14 @@ fn run_case(eng: &Engine<CpuBackend>, name: &str, case: &Value, path: &Path) -> 
         let tok = eng.argmax(&logits).expect("argmax");
         if tok != golden_ids[j] {
             // Only a near-tie in the golden may excuse a different token; the paths part here.
-            assert!(margin < MARGIN_TOL, "{what}: greedy token {tok} != golden {} (margin {margin:e})", golden_ids[j]);
-            eprintln!("{what}: golden margin {margin:e} < {MARGIN_TOL:e} and the tokens differ; compared up to here");
+            assert!(
+                margin < MARGIN_TOL,
+                "{what}: greedy token {tok} != golden {} (margin {margin:e})",
+                golden_ids[j]
+            );
+            eprintln!(
+                "{what}: golden margin {margin:e} < {MARGIN_TOL:e} and the tokens differ; compared up to here"
+            );
             break;
         }
         compared += 1;
@@ -84,7 +108,11 @@ fn run_case(eng: &Engine<CpuBackend>, name: &str, case: &Value, path: &Path) -> 
             logits = eng.decode_step(tok, &mut state).expect("decode");
         }
     }
-    assert_eq!(state.pos, prompt.len() + compared.min(steps.len() - 1), "{name}: state position");
+    assert_eq!(
+        state.pos,
+        prompt.len() + compared.min(steps.len() - 1),
+        "{name}: state position"
+    );
     (compared, worst)
 }
 
@@ -92,7 +120,11 @@ fn check_fixture(dir: &str, min_cases: usize) {
     let eng = Engine::load(&fixture(dir), CpuBackend::new(0).expect("pool")).expect("load fixture");
     let g = golden(dir);
     let cases = g["cases"].as_object().expect("cases");
-    assert!(cases.len() >= min_cases, "{dir}: golden has {} cases", cases.len());
+    assert!(
+        cases.len() >= min_cases,
+        "{dir}: golden has {} cases",
+        cases.len()
+    );
     for (name, case) in cases {
         for path in [Path::PrefillThenDecode, Path::DecodeOnly] {
             let label = match path {
@@ -100,8 +132,13 @@ fn check_fixture(dir: &str, min_cases: usize) {
                 Path::DecodeOnly => "decode-only",
             };
             let (n, worst) = run_case(&eng, &format!("{dir}/{name} ({label})"), case, &path);
-            eprintln!("{dir}/{name} ({label}): {n} greedy tokens identical, worst top-10 |Δlogit| {worst:.2e}");
-            assert!(n >= 4, "{dir}/{name}: only {n} steps compared; the golden has too many near-ties");
+            eprintln!(
+                "{dir}/{name} ({label}): {n} greedy tokens identical, worst top-10 |Δlogit| {worst:.2e}"
+            );
+            assert!(
+                n >= 4,
+                "{dir}/{name}: only {n} steps compared; the golden has too many near-ties"
+            );
         }
     }
 }
@@ -123,17 +160,35 @@ fn every_prompt_position_matches_the_full_forward() {
     let dir = "tiny-qwen3_5_moe";
     let g = golden(dir);
     let cases = g["cases"].as_object().expect("cases");
-    let with_layers: Vec<_> = cases.iter().filter(|(_, c)| c.get("prefill_all_positions_top5").is_some()).collect();
-    assert!(!with_layers.is_empty(), "golden has no all-position records");
+    let with_layers: Vec<_> = cases
+        .iter()
+        .filter(|(_, c)| c.get("prefill_all_positions_top5").is_some())
+        .collect();
+    assert!(
+        !with_layers.is_empty(),
+        "golden has no all-position records"
+    );
     let eng = Engine::load(&fixture(dir), CpuBackend::new(0).expect("pool")).expect("load fixture");
     for (name, case) in with_layers {
         let prompt = ids(&case["prompt_ids"]);
         let mut state = eng.new_state(prompt.len()).expect("state");
-        let all = eng.model.forward(&eng.backend, &prompt, &mut state, true).expect("forward");
+        let all = eng
+            .model
+            .forward(&eng.backend, &prompt, &mut state, true)
+            .expect("forward");
         // Every prompt position's top-5 logits (a no-cache full forward in mlx-lm).
         let vocab = eng.config().vocab_size;
-        for (p, rec) in case["prefill_all_positions_top5"].as_array().expect("top5").iter().enumerate() {
-            compare_step(&format!("{name} position {p}"), &all.data[p * vocab..(p + 1) * vocab], rec);
+        for (p, rec) in case["prefill_all_positions_top5"]
+            .as_array()
+            .expect("top5")
+            .iter()
+            .enumerate()
+        {
+            compare_step(
+                &format!("{name} position {p}"),
+                &all.data[p * vocab..(p + 1) * vocab],
+                rec,
+            );
         }
     }
 }

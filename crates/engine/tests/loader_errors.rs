@@ -33,31 +33,59 @@ impl Scratch {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp dir");
         let src = fixture();
-        let config: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config")).expect("json");
+        let config: Value = serde_json::from_str(
+            &std::fs::read_to_string(src.join("config.json")).expect("config"),
+        )
+        .expect("json");
         let bytes = std::fs::read(src.join("model.safetensors")).expect("weights");
         let st = safetensors::SafeTensors::deserialize(&bytes).expect("fixture parses");
         let tensors = st
             .tensors()
             .into_iter()
-            .map(|(n, v)| (n, Raw { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() }))
+            .map(|(n, v)| {
+                (
+                    n,
+                    Raw {
+                        dtype: v.dtype(),
+                        shape: v.shape().to_vec(),
+                        data: v.data().to_vec(),
+                    },
+                )
+            })
             .collect();
-        Scratch { dir, config, tensors }
+        Scratch {
+            dir,
+            config,
+            tensors,
+        }
     }
 
     fn write(&self) {
-        std::fs::write(self.dir.join("config.json"), serde_json::to_string_pretty(&self.config).expect("json")).expect("write config");
+        std::fs::write(
+            self.dir.join("config.json"),
+            serde_json::to_string_pretty(&self.config).expect("json"),
+        )
+        .expect("write config");
         let views: Vec<(String, TensorView<'_>)> = self
             .tensors
             .iter()
-            .map(|(n, r)| (n.clone(), TensorView::new(r.dtype, r.shape.clone(), &r.data).expect("view")))
+            .map(|(n, r)| {
+                (
+                    n.clone(),
+                    TensorView::new(r.dtype, r.shape.clone(), &r.data).expect("view"),
+                )
+            })
             .collect();
-        safetensors::serialize_to_file(views, None, &self.dir.join("model.safetensors")).expect("write weights");
+        safetensors::serialize_to_file(views, None, &self.dir.join("model.safetensors"))
+            .expect("write weights");
     }
 
     /// Writes the checkpoint and returns the load error's text.
     fn load_err(&self) -> String {
         self.write();
-        load(&self.dir).err().unwrap_or_else(|| panic!("checkpoint in {} should not load", self.dir.display()))
+        load(&self.dir)
+            .err()
+            .unwrap_or_else(|| panic!("checkpoint in {} should not load", self.dir.display()))
     }
 }
 
@@ -68,7 +96,9 @@ impl Drop for Scratch {
 }
 
 fn load(dir: &Path) -> Result<(), String> {
-    Engine::load(dir, CpuBackend::new(1).map_err(|e| e.to_string())?).map(|_| ()).map_err(|e| e.to_string())
+    Engine::load(dir, CpuBackend::new(1).map_err(|e| e.to_string())?)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 fn assert_mentions(err: &str, needles: &[&str]) {
@@ -89,8 +119,18 @@ fn the_unmodified_copy_loads() {
 #[test]
 fn vision_and_mtp_tensors_are_ignored() {
     let mut s = Scratch::new("vision");
-    for name in ["vision_tower.blocks.0.attn.qkv.weight", "mtp.layers.0.input_layernorm.weight"] {
-        s.tensors.insert(name.into(), Raw { dtype: Dtype::BF16, shape: vec![4], data: vec![0; 8] });
+    for name in [
+        "vision_tower.blocks.0.attn.qkv.weight",
+        "mtp.layers.0.input_layernorm.weight",
+    ] {
+        s.tensors.insert(
+            name.into(),
+            Raw {
+                dtype: Dtype::BF16,
+                shape: vec![4],
+                data: vec![0; 8],
+            },
+        );
     }
     s.write();
     load(&s.dir).expect("vision tower and MTP weights are skipped");
@@ -124,7 +164,10 @@ fn unsupported_quantization_is_refused() {
 #[test]
 fn config_errors_name_the_field() {
     let mut s = Scratch::new("cfg-missing");
-    s.config["text_config"].as_object_mut().expect("text_config").remove("num_experts");
+    s.config["text_config"]
+        .as_object_mut()
+        .expect("text_config")
+        .remove("num_experts");
     assert_mentions(&s.load_err(), &["num_experts", "missing"]);
 
     let mut s = Scratch::new("cfg-layers");
@@ -138,7 +181,10 @@ fn config_errors_name_the_field() {
     let s = Scratch::new("cfg-json");
     s.write();
     std::fs::write(s.dir.join("config.json"), "{ not json").expect("write");
-    assert_mentions(&load(&s.dir).expect_err("bad JSON"), &["config.json", "JSON"]);
+    assert_mentions(
+        &load(&s.dir).expect_err("bad JSON"),
+        &["config.json", "JSON"],
+    );
 }
 
 #[test]
@@ -153,7 +199,14 @@ fn a_missing_tensor_is_named() {
 fn an_extra_tensor_is_named() {
     let mut s = Scratch::new("extra");
     let name = format!("{L0}mlp.unexpected.weight");
-    s.tensors.insert(name.clone(), Raw { dtype: Dtype::BF16, shape: vec![2], data: vec![0; 4] });
+    s.tensors.insert(
+        name.clone(),
+        Raw {
+            dtype: Dtype::BF16,
+            shape: vec![2],
+            data: vec![0; 4],
+        },
+    );
     assert_mentions(&s.load_err(), &[&name, "not consumed"]);
 }
 
@@ -194,9 +247,18 @@ fn mistyped_tensors_are_named() {
 fn a_router_stored_at_the_wrong_bit_width_is_refused() {
     let mut s = Scratch::new("bits");
     // The config says the router is 8-bit; claim 4-bit instead: the stored codes disagree.
-    s.config["quantization"].as_object_mut().expect("q").remove(&format!("{L0}mlp.gate"));
-    s.config["quantization_config"].as_object_mut().expect("q").remove(&format!("{L0}mlp.gate"));
-    assert_mentions(&s.load_err(), &[&format!("{L0}mlp.gate"), "8-bit storage", "expected 4-bit"]);
+    s.config["quantization"]
+        .as_object_mut()
+        .expect("q")
+        .remove(&format!("{L0}mlp.gate"));
+    s.config["quantization_config"]
+        .as_object_mut()
+        .expect("q")
+        .remove(&format!("{L0}mlp.gate"));
+    assert_mentions(
+        &s.load_err(),
+        &[&format!("{L0}mlp.gate"), "8-bit storage", "expected 4-bit"],
+    );
 }
 
 #[test]
@@ -215,7 +277,10 @@ fn truncated_and_corrupt_files_are_refused() {
     let path = s.dir.join("model.safetensors");
     let bytes = std::fs::read(&path).expect("read");
     std::fs::write(&path, &bytes[..bytes.len() - 1000]).expect("truncate");
-    assert_mentions(&load(&s.dir).expect_err("truncated"), &["model.safetensors", "truncated"]);
+    assert_mentions(
+        &load(&s.dir).expect_err("truncated"),
+        &["model.safetensors", "truncated"],
+    );
 
     std::fs::write(&path, &bytes[..4]).expect("truncate");
     assert_mentions(&load(&s.dir).expect_err("stub"), &["model.safetensors"]);
@@ -223,7 +288,10 @@ fn truncated_and_corrupt_files_are_refused() {
     let mut garbage = bytes.clone();
     garbage[8..40].copy_from_slice(&[b'#'; 32]);
     std::fs::write(&path, &garbage).expect("corrupt");
-    assert_mentions(&load(&s.dir).expect_err("corrupt header"), &["model.safetensors", "header"]);
+    assert_mentions(
+        &load(&s.dir).expect_err("corrupt header"),
+        &["model.safetensors", "header"],
+    );
 
     std::fs::write(&path, b"").expect("empty");
     assert_mentions(&load(&s.dir).expect_err("empty"), &["model.safetensors"]);
@@ -232,16 +300,35 @@ fn truncated_and_corrupt_files_are_refused() {
 #[test]
 fn missing_files_and_bad_indexes_are_refused() {
     let s = Scratch::new("nofiles");
-    std::fs::write(s.dir.join("config.json"), serde_json::to_string(&s.config).expect("json")).expect("config");
-    assert_mentions(&load(&s.dir).expect_err("no weights"), &["no model.safetensors"]);
+    std::fs::write(
+        s.dir.join("config.json"),
+        serde_json::to_string(&s.config).expect("json"),
+    )
+    .expect("config");
+    assert_mentions(
+        &load(&s.dir).expect_err("no weights"),
+        &["no model.safetensors"],
+    );
 
     let s = Scratch::new("index");
     s.write();
     let index = serde_json::json!({"weight_map": {"language_model.lm_head.weight": "model-00002-of-00002.safetensors"}});
-    std::fs::write(s.dir.join("model.safetensors.index.json"), index.to_string()).expect("index");
-    assert_mentions(&load(&s.dir).expect_err("missing shard"), &["model-00002-of-00002.safetensors"]);
+    std::fs::write(
+        s.dir.join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .expect("index");
+    assert_mentions(
+        &load(&s.dir).expect_err("missing shard"),
+        &["model-00002-of-00002.safetensors"],
+    );
 
-    let index = serde_json::json!({"weight_map": {"language_model.lm_head.weight": "../../etc/passwd"}});
-    std::fs::write(s.dir.join("model.safetensors.index.json"), index.to_string()).expect("index");
+    let index =
+        serde_json::json!({"weight_map": {"language_model.lm_head.weight": "../../etc/passwd"}});
+    std::fs::write(
+        s.dir.join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .expect("index");
     assert_mentions(&load(&s.dir).expect_err("unsafe path"), &["unsafe path"]);
 }

@@ -31,21 +31,34 @@ pub struct SynthArgs {
     #[arg(long)]
     pub max_shard_mib: Option<u64>,
 
-    // ---- overrides of the preset's shape
+    /// Overrides of the preset's shape (boxed: they would make `SynthArgs` the largest variant
+    /// of the command enum by far).
+    #[command(flatten)]
+    pub shape: Box<ShapeArgs>,
+}
+
+/// Per-field overrides of a preset's shape.
+#[derive(clap::Args, Debug, Default)]
+pub struct ShapeArgs {
+    /// Hidden size (a multiple of 64).
     #[arg(long)]
     pub hidden: Option<usize>,
+    /// Decoder layers.
     #[arg(long)]
     pub layers: Option<usize>,
     /// Every N-th layer is full attention (layer i iff (i+1) % N == 0).
     #[arg(long)]
     pub full_attention_interval: Option<usize>,
+    /// Vocabulary rows of the embedding and lm_head.
     #[arg(long)]
     pub vocab: Option<usize>,
     /// Attention query heads.
     #[arg(long)]
     pub heads: Option<usize>,
+    /// Attention key/value heads.
     #[arg(long)]
     pub kv_heads: Option<usize>,
+    /// Attention head dim.
     #[arg(long)]
     pub head_dim: Option<usize>,
     /// Gated DeltaNet key heads.
@@ -54,26 +67,37 @@ pub struct SynthArgs {
     /// Gated DeltaNet value heads.
     #[arg(long)]
     pub linear_value_heads: Option<usize>,
+    /// Gated DeltaNet key head dim.
     #[arg(long)]
     pub linear_key_dim: Option<usize>,
+    /// Gated DeltaNet value head dim.
     #[arg(long)]
     pub linear_value_dim: Option<usize>,
+    /// Gated DeltaNet causal conv kernel size.
     #[arg(long)]
     pub conv_kernel: Option<usize>,
+    /// Routed experts per layer.
     #[arg(long)]
     pub experts: Option<usize>,
+    /// Experts per token.
     #[arg(long)]
     pub top_k: Option<usize>,
+    /// Routed expert intermediate size (a multiple of 64).
     #[arg(long)]
     pub moe_inter: Option<usize>,
+    /// Shared expert intermediate size (a multiple of 64).
     #[arg(long)]
     pub shared_inter: Option<usize>,
+    /// RoPE base.
     #[arg(long)]
     pub rope_theta: Option<f64>,
+    /// Fraction of each attention head that is rotated.
     #[arg(long)]
     pub partial_rotary_factor: Option<f64>,
+    /// RMSNorm epsilon.
     #[arg(long)]
     pub rms_norm_eps: Option<f64>,
+    /// max_position_embeddings written to config.json.
     #[arg(long)]
     pub max_position_embeddings: Option<usize>,
     /// End-of-sequence token ids, comma-separated.
@@ -86,7 +110,7 @@ impl SynthArgs {
         let mut s = SynthSpec::preset(&self.preset)?;
         macro_rules! set {
             ($($field:ident <- $arg:ident),* $(,)?) => {
-                $(if let Some(v) = self.$arg { s.$field = v; })*
+                $(if let Some(v) = self.shape.$arg { s.$field = v; })*
             };
         }
         set!(
@@ -110,13 +134,17 @@ impl SynthArgs {
             partial_rotary_factor <- partial_rotary_factor,
             rms_norm_eps <- rms_norm_eps,
             max_position_embeddings <- max_position_embeddings,
-            seed <- seed,
         );
-        if let Some(eos) = &self.eos {
+        if let Some(seed) = self.seed {
+            s.seed = seed;
+        }
+        if let Some(eos) = &self.shape.eos {
             s.eos_token_ids = eos.clone();
         }
         if let Some(mib) = self.max_shard_mib {
-            s.max_shard_bytes = mib.checked_mul(1 << 20).context("--max-shard-mib is too large")?;
+            s.max_shard_bytes = mib
+                .checked_mul(1 << 20)
+                .context("--max-shard-mib is too large")?;
         }
         Ok(s)
     }
@@ -124,8 +152,13 @@ impl SynthArgs {
 
 pub fn run(a: SynthArgs) -> Result<()> {
     let spec = a.spec()?;
-    let opts = WriteOptions { tokenizer_from: a.tokenizer_from.as_deref(), threads: a.threads, force: a.force };
-    let r = write_checkpoint_with(&spec, &a.out, &opts).with_context(|| format!("writing {}", a.out.display()))?;
+    let opts = WriteOptions {
+        tokenizer_from: a.tokenizer_from.as_deref(),
+        threads: a.threads,
+        force: a.force,
+    };
+    let r = write_checkpoint_with(&spec, &a.out, &opts)
+        .with_context(|| format!("writing {}", a.out.display()))?;
     let gb = r.bytes as f64 / 1e9;
     println!(
         "wrote {}: {} bytes ({gb:.2} GB), {} tensors in {} shard(s), {:.1}s, {:.2} GB/s",

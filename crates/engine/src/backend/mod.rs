@@ -64,7 +64,12 @@ pub trait Backend: Send + Sync + 'static {
     /// A copy of the state (for the session prefix cache).
     fn clone_gdn_state(&self, state: &Self::GdnState) -> Result<Self::GdnState>;
     /// A copy of the first `len` positions of the cache, with room for `max_seq`.
-    fn clone_kv_cache(&self, cache: &Self::KvCache, len: usize, max_seq: usize) -> Result<Self::KvCache>;
+    fn clone_kv_cache(
+        &self,
+        cache: &Self::KvCache,
+        len: usize,
+        max_seq: usize,
+    ) -> Result<Self::KvCache>;
     /// Device bytes held by a state (for cache budgets).
     fn gdn_state_bytes(&self, state: &Self::GdnState) -> usize;
     fn kv_cache_bytes(&self, cache: &Self::KvCache) -> usize;
@@ -88,7 +93,13 @@ pub trait Backend: Send + Sync + 'static {
     // ---- Gated DeltaNet
     /// Causal depthwise conv over `x` `[T, C]` continuing from the state's window (taps
     /// `w` tap-major `[K, C]`), then SiLU. Updates the window.
-    fn conv1d_silu(&self, x: &Self::Tensor, w: &Self::Vector, state: &mut Self::GdnState, shape: &GdnShape) -> Result<Self::Tensor>;
+    fn conv1d_silu(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Vector,
+        state: &mut Self::GdnState,
+        shape: &GdnShape,
+    ) -> Result<Self::Tensor>;
     /// The gated delta rule over `T` tokens: `qkv` is the conv output `[T, C]` (q, k, v
     /// channels), `a`/`b` `[T, Hv]` the gate projections. L2-normalises q and k, computes
     /// decay `exp(-exp(a_log) * softplus(a + dt_bias))` and `beta = sigmoid(b)`, runs the f32
@@ -105,26 +116,61 @@ pub trait Backend: Send + Sync + 'static {
         shape: &GdnShape,
     ) -> Result<Self::Tensor>;
     /// Per head of `dim`: `rmsnorm(y) * w * silu(z)`.
-    fn gated_rms_norm(&self, y: &Self::Tensor, z: &Self::Tensor, w: &Self::Vector, dim: usize, eps: f32) -> Result<Self::Tensor>;
+    fn gated_rms_norm(
+        &self,
+        y: &Self::Tensor,
+        z: &Self::Tensor,
+        w: &Self::Vector,
+        dim: usize,
+        eps: f32,
+    ) -> Result<Self::Tensor>;
 
     // ---- gated full attention
     /// Splits the per-head interleaved `[q | gate]` projection into q `[T, H*D]` and gate `[T, H*D]`.
-    fn split_q_gate(&self, qg: &Self::Tensor, heads: usize, head_dim: usize) -> Result<(Self::Tensor, Self::Tensor)>;
+    fn split_q_gate(
+        &self,
+        qg: &Self::Tensor,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<(Self::Tensor, Self::Tensor)>;
     /// Per head of `dim`: `rmsnorm(x) * w`.
-    fn head_rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, dim: usize, eps: f32) -> Result<Self::Tensor>;
+    fn head_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Vector,
+        dim: usize,
+        eps: f32,
+    ) -> Result<Self::Tensor>;
     /// Rotate-half RoPE on the first `rotary_dim` dims of each head; row t is at position `pos0 + t`.
     fn rope(&self, x: &mut Self::Tensor, shape: &AttnShape, pos0: usize) -> Result<()>;
     /// Writes k and v rows into the cache at positions `pos0..pos0+T`.
-    fn kv_append(&self, cache: &mut Self::KvCache, k: &Self::Tensor, v: &Self::Tensor, pos0: usize) -> Result<()>;
+    fn kv_append(
+        &self,
+        cache: &mut Self::KvCache,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        pos0: usize,
+    ) -> Result<()>;
     /// Causal grouped-query attention of q rows at positions `pos0..pos0+T` over the cache.
-    fn attention(&self, q: &Self::Tensor, cache: &Self::KvCache, shape: &AttnShape, pos0: usize) -> Result<Self::Tensor>;
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        cache: &Self::KvCache,
+        shape: &AttnShape,
+        pos0: usize,
+    ) -> Result<Self::Tensor>;
     /// `x * sigmoid(gate)`, elementwise.
     fn sigmoid_mul(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Result<Self::Tensor>;
 
     // ---- mixture of experts
     /// Softmax over the router logits, top-k (ties to the lowest expert id), optionally
     /// renormalised over the chosen k.
-    fn route(&self, logits: &Self::Tensor, top_k: usize, renormalize: bool) -> Result<Self::Routing>;
+    fn route(
+        &self,
+        logits: &Self::Tensor,
+        top_k: usize,
+        renormalize: bool,
+    ) -> Result<Self::Routing>;
     /// `sum_j w_j * down_j(silu(gate_j x) * up_j x)` over each token's chosen experts; the
     /// three stacks hold `E` matrices each.
     fn moe_experts(
@@ -136,5 +182,10 @@ pub trait Backend: Send + Sync + 'static {
         down: &Self::QMatrix,
     ) -> Result<Self::Tensor>;
     /// `out += sigmoid(gate_logit) * y`, one gate logit per row (`gate_logit` is `[T, 1]`).
-    fn add_sigmoid_gated(&self, out: &mut Self::Tensor, y: &Self::Tensor, gate_logit: &Self::Tensor) -> Result<()>;
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut Self::Tensor,
+        y: &Self::Tensor,
+        gate_logit: &Self::Tensor,
+    ) -> Result<()>;
 }

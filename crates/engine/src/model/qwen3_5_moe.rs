@@ -86,7 +86,9 @@ struct Loader<'a, B: Backend> {
 impl<B: Backend> Loader<'_, B> {
     fn q(&mut self, path: &str, lead: &[usize], out: usize, inp: usize) -> Result<B::QMatrix> {
         let spec = self.cfg.quant.spec_for(path);
-        let w: QWeight = self.ckpt.take_quantized(path, lead, out, inp, spec.bits, spec.group_size)?;
+        let w: QWeight =
+            self.ckpt
+                .take_quantized(path, lead, out, inp, spec.bits, spec.group_size)?;
         self.backend.upload_qmatrix(w)
     }
     fn bf16_vector(&mut self, name: &str, len: usize) -> Result<B::Vector> {
@@ -103,15 +105,23 @@ impl<B: Backend> Qwen35Moe<B> {
                 "unsupported checkpoint layout: no {PREFIX}embed_tokens.weight; expected an mlx-community qwen3_5_moe checkpoint"
             )));
         }
-        let mut ld = Loader { ckpt, cfg: &cfg, backend };
+        let mut ld = Loader {
+            ckpt,
+            cfg: &cfg,
+            backend,
+        };
         let (hdim, vocab) = (cfg.hidden_size, cfg.vocab_size);
         let embed = ld.q(&format!("{PREFIX}embed_tokens"), &[], vocab, hdim)?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for (i, kind) in cfg.layer_types.iter().enumerate() {
             let p = format!("{PREFIX}layers.{i}.");
             let mixer = match kind {
-                LayerKind::LinearAttention => Mixer::Gdn(load_gdn(&mut ld, &format!("{p}linear_attn."))?),
-                LayerKind::FullAttention => Mixer::Attn(load_attn(&mut ld, &format!("{p}self_attn."))?),
+                LayerKind::LinearAttention => {
+                    Mixer::Gdn(load_gdn(&mut ld, &format!("{p}linear_attn."))?)
+                }
+                LayerKind::FullAttention => {
+                    Mixer::Attn(load_attn(&mut ld, &format!("{p}self_attn."))?)
+                }
             };
             layers.push(Layer {
                 input_norm: ld.bf16_vector(&format!("{p}input_layernorm.weight"), hdim)?,
@@ -137,7 +147,15 @@ impl<B: Backend> Qwen35Moe<B> {
             rotary_dim: cfg.rotary_dim,
             rope_theta: cfg.rope_theta,
         };
-        Ok(Qwen35Moe { cfg, gdn_shape, attn_shape, embed, layers, final_norm, lm_head })
+        Ok(Qwen35Moe {
+            cfg,
+            gdn_shape,
+            attn_shape,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        })
     }
 
     /// A fresh decode state with room for `max_seq` positions.
@@ -148,15 +166,27 @@ impl<B: Backend> Qwen35Moe<B> {
             .iter()
             .map(|k| match k {
                 LayerKind::LinearAttention => b.new_gdn_state(&self.gdn_shape).map(LayerState::Gdn),
-                LayerKind::FullAttention => b.new_kv_cache(&self.attn_shape, max_seq).map(LayerState::Attn),
+                LayerKind::FullAttention => b
+                    .new_kv_cache(&self.attn_shape, max_seq)
+                    .map(LayerState::Attn),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(DecodeState { pos: 0, max_seq, layers })
+        Ok(DecodeState {
+            pos: 0,
+            max_seq,
+            layers,
+        })
     }
 
     /// Runs `tokens` through the model from `state.pos`, advancing the state. Returns the
     /// logits of the last token `[1, vocab]`, or of every token when `all_logits`.
-    pub fn forward(&self, b: &B, tokens: &[u32], state: &mut DecodeState<B>, all_logits: bool) -> Result<B::Tensor> {
+    pub fn forward(
+        &self,
+        b: &B,
+        tokens: &[u32],
+        state: &mut DecodeState<B>,
+        all_logits: bool,
+    ) -> Result<B::Tensor> {
         if tokens.is_empty() {
             return Err(Error::invalid("forward needs at least one token"));
         }
@@ -176,7 +206,11 @@ impl<B: Backend> Qwen35Moe<B> {
             let mixed = match (&layer.mixer, ls) {
                 (Mixer::Gdn(w), LayerState::Gdn(s)) => self.gdn(b, w, &h, s)?,
                 (Mixer::Attn(w), LayerState::Attn(c)) => self.attention(b, w, &h, c, pos)?,
-                _ => return Err(Error::Backend("decode state does not match the layer types".into())),
+                _ => {
+                    return Err(Error::Backend(
+                        "decode state does not match the layer types".into(),
+                    ));
+                }
             };
             b.add_assign(&mut x, &mixed)?;
             let h = b.rms_norm(&x, &layer.post_norm, eps)?;
@@ -189,7 +223,13 @@ impl<B: Backend> Qwen35Moe<B> {
         b.qmatmul(&h, &self.lm_head)
     }
 
-    fn gdn(&self, b: &B, w: &GdnWeights<B>, h: &B::Tensor, s: &mut B::GdnState) -> Result<B::Tensor> {
+    fn gdn(
+        &self,
+        b: &B,
+        w: &GdnWeights<B>,
+        h: &B::Tensor,
+        s: &mut B::GdnState,
+    ) -> Result<B::Tensor> {
         let sh = &self.gdn_shape;
         let qkv = b.qmatmul(h, &w.in_proj_qkv)?;
         let z = b.qmatmul(h, &w.in_proj_z)?;
@@ -201,7 +241,14 @@ impl<B: Backend> Qwen35Moe<B> {
         b.qmatmul(&y, &w.out_proj)
     }
 
-    fn attention(&self, b: &B, w: &AttnWeights<B>, h: &B::Tensor, cache: &mut B::KvCache, pos: usize) -> Result<B::Tensor> {
+    fn attention(
+        &self,
+        b: &B,
+        w: &AttnWeights<B>,
+        h: &B::Tensor,
+        cache: &mut B::KvCache,
+        pos: usize,
+    ) -> Result<B::Tensor> {
         let sh = &self.attn_shape;
         let eps = self.cfg.rms_norm_eps;
         let q_gate = b.qmatmul(h, &w.q_proj)?;
@@ -233,11 +280,20 @@ impl<B: Backend> Qwen35Moe<B> {
 
 fn load_gdn<B: Backend>(ld: &mut Loader<'_, B>, p: &str) -> Result<GdnWeights<B>> {
     let cfg = ld.cfg;
-    let (hdim, hv, c, k) = (cfg.hidden_size, cfg.linear_value_heads, cfg.conv_dim(), cfg.conv_kernel);
+    let (hdim, hv, c, k) = (
+        cfg.hidden_size,
+        cfg.linear_value_heads,
+        cfg.conv_dim(),
+        cfg.conv_kernel,
+    );
     let conv_name = format!("{p}conv1d.weight");
     // mlx stores depthwise conv weights [C, K, 1]; the HF layout is [C, 1, K]. Both hold
     // taps in order for each channel; kernels want them tap-major [K, C].
-    let conv_shape = ld.ckpt.shape(&conv_name).map(|s| s.to_vec()).unwrap_or_default();
+    let conv_shape = ld
+        .ckpt
+        .shape(&conv_name)
+        .map(|s| s.to_vec())
+        .unwrap_or_default();
     let conv_raw = if conv_shape == [c, 1, k] {
         ld.ckpt.take_bf16(&conv_name, &[c, 1, k])?
     } else {
@@ -267,7 +323,12 @@ fn load_gdn<B: Backend>(ld: &mut Loader<'_, B>, p: &str) -> Result<GdnWeights<B>
 
 fn load_attn<B: Backend>(ld: &mut Loader<'_, B>, p: &str) -> Result<AttnWeights<B>> {
     let cfg = ld.cfg;
-    let (hdim, h, kvh, d) = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let (hdim, h, kvh, d) = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    );
     Ok(AttnWeights {
         q_proj: ld.q(&format!("{p}q_proj"), &[], 2 * h * d, hdim)?,
         k_proj: ld.q(&format!("{p}k_proj"), &[], kvh * d, hdim)?,
@@ -280,7 +341,12 @@ fn load_attn<B: Backend>(ld: &mut Loader<'_, B>, p: &str) -> Result<AttnWeights<
 
 fn load_moe<B: Backend>(ld: &mut Loader<'_, B>, p: &str) -> Result<MoeWeights<B>> {
     let cfg = ld.cfg;
-    let (hdim, e, inter, si) = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate, cfg.shared_intermediate);
+    let (hdim, e, inter, si) = (
+        cfg.hidden_size,
+        cfg.num_experts,
+        cfg.moe_intermediate,
+        cfg.shared_intermediate,
+    );
     Ok(MoeWeights {
         router: ld.q(&format!("{p}gate"), &[], e, hdim)?,
         gate_exps: ld.q(&format!("{p}switch_mlp.gate_proj"), &[e], inter, hdim)?,

@@ -36,10 +36,16 @@ impl<B: Backend> DecodeState<B> {
             .iter()
             .map(|l| match l {
                 LayerState::Gdn(s) => b.clone_gdn_state(s).map(LayerState::Gdn),
-                LayerState::Attn(c) => b.clone_kv_cache(c, self.pos, self.max_seq).map(LayerState::Attn),
+                LayerState::Attn(c) => b
+                    .clone_kv_cache(c, self.pos, self.max_seq)
+                    .map(LayerState::Attn),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(DecodeState { pos: self.pos, max_seq: self.max_seq, layers })
+        Ok(DecodeState {
+            pos: self.pos,
+            max_seq: self.max_seq,
+            layers,
+        })
     }
 
     /// Device bytes held by this state.

@@ -56,7 +56,10 @@ impl CpuBackend {
             .thread_name(|i| format!("lily-cpu-{i}"))
             .build()
             .map_err(|e| Error::Backend(format!("cannot start the CPU thread pool: {e}")))?;
-        Ok(CpuBackend { pool, simd: Simd::detect() })
+        Ok(CpuBackend {
+            pool,
+            simd: Simd::detect(),
+        })
     }
     pub fn simd(&self) -> Simd {
         self.simd
@@ -104,7 +107,10 @@ impl Backend for CpuBackend {
     }
     fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
         if data.len() != rows * cols {
-            return Err(Error::Backend(format!("upload of {} values as [{rows}, {cols}]", data.len())));
+            return Err(Error::Backend(format!(
+                "upload of {} values as [{rows}, {cols}]",
+                data.len()
+            )));
         }
         Ok(tensor(data.to_vec(), rows, cols))
     }
@@ -121,7 +127,12 @@ impl Backend for CpuBackend {
         })
     }
     fn new_kv_cache(&self, s: &AttnShape, max_seq: usize) -> Result<CpuKvCache> {
-        Ok(CpuKvCache { k: Vec::new(), v: Vec::new(), row: s.kv_heads * s.head_dim, max_seq })
+        Ok(CpuKvCache {
+            k: Vec::new(),
+            v: Vec::new(),
+            row: s.kv_heads * s.head_dim,
+            max_seq,
+        })
     }
     fn reset_gdn_state(&self, s: &mut CpuGdnState) -> Result<()> {
         s.window.fill(0.0);
@@ -129,11 +140,19 @@ impl Backend for CpuBackend {
         Ok(())
     }
     fn clone_gdn_state(&self, s: &CpuGdnState) -> Result<CpuGdnState> {
-        Ok(CpuGdnState { window: s.window.clone(), state: s.state.clone() })
+        Ok(CpuGdnState {
+            window: s.window.clone(),
+            state: s.state.clone(),
+        })
     }
     fn clone_kv_cache(&self, c: &CpuKvCache, len: usize, max_seq: usize) -> Result<CpuKvCache> {
         let n = (len * c.row).min(c.k.len());
-        Ok(CpuKvCache { k: c.k[..n].to_vec(), v: c.v[..n].to_vec(), row: c.row, max_seq })
+        Ok(CpuKvCache {
+            k: c.k[..n].to_vec(),
+            v: c.v[..n].to_vec(),
+            row: c.row,
+            max_seq,
+        })
     }
     fn gdn_state_bytes(&self, s: &CpuGdnState) -> usize {
         4 * (s.window.len() + s.state.len())
@@ -144,9 +163,16 @@ impl Backend for CpuBackend {
 
     fn embed(&self, table: &QWeight, tokens: &[u32]) -> Result<CpuTensor> {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= table.rows) {
-            return Err(Error::invalid(format!("token id {bad} is outside the vocabulary of {} entries", table.rows)));
+            return Err(Error::invalid(format!(
+                "token id {bad} is outside the vocabulary of {} entries",
+                table.rows
+            )));
         }
-        Ok(tensor(quant::embed(table, tokens), tokens.len(), table.cols))
+        Ok(tensor(
+            quant::embed(table, tokens),
+            tokens.len(),
+            table.cols,
+        ))
     }
 
     fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32) -> Result<CpuTensor> {
@@ -161,9 +187,14 @@ impl Backend for CpuBackend {
 
     fn qmatmul(&self, x: &CpuTensor, w: &QWeight) -> Result<CpuTensor> {
         if x.cols != w.cols {
-            return Err(Error::Backend(format!("qmatmul {}: input has {} columns, weight {}", w.name, x.cols, w.cols)));
+            return Err(Error::Backend(format!(
+                "qmatmul {}: input has {} columns, weight {}",
+                w.name, x.cols, w.cols
+            )));
         }
-        let y = self.pool.install(|| quant::qmatmul(self.simd, &x.data, x.rows, w));
+        let y = self
+            .pool
+            .install(|| quant::qmatmul(self.simd, &x.data, x.rows, w));
         Ok(tensor(y, x.rows, w.rows))
     }
 
@@ -178,15 +209,30 @@ impl Backend for CpuBackend {
     }
 
     fn argmax_rows(&self, x: &CpuTensor) -> Result<Vec<u32>> {
-        Ok(self.pool.install(|| x.data.par_chunks(x.cols.max(1)).map(r::argmax).collect()))
+        Ok(self
+            .pool
+            .install(|| x.data.par_chunks(x.cols.max(1)).map(r::argmax).collect()))
     }
 
-    fn conv1d_silu(&self, x: &CpuTensor, w: &Vec<f32>, s: &mut CpuGdnState, sh: &GdnShape) -> Result<CpuTensor> {
+    fn conv1d_silu(
+        &self,
+        x: &CpuTensor,
+        w: &Vec<f32>,
+        s: &mut CpuGdnState,
+        sh: &GdnShape,
+    ) -> Result<CpuTensor> {
         let c = sh.conv_channels();
         if x.cols != c {
-            return Err(Error::Backend(format!("conv1d: input has {} channels, expected {c}", x.cols)));
+            return Err(Error::Backend(format!(
+                "conv1d: input has {} channels, expected {c}",
+                x.cols
+            )));
         }
-        Ok(tensor(r::conv1d_silu(&x.data, x.rows, c, w, &mut s.window, sh.conv_kernel), x.rows, c))
+        Ok(tensor(
+            r::conv1d_silu(&x.data, x.rows, c, w, &mut s.window, sh.conv_kernel),
+            x.rows,
+            c,
+        ))
     }
 
     fn gdn_recurrence(
@@ -213,26 +259,52 @@ impl Backend for CpuBackend {
         let mut y = vec![0.0f32; t * hv * dv];
         for (h, yh) in per_head.iter().enumerate() {
             for i in 0..t {
-                y[i * hv * dv + h * dv..i * hv * dv + (h + 1) * dv].copy_from_slice(&yh[i * dv..(i + 1) * dv]);
+                y[i * hv * dv + h * dv..i * hv * dv + (h + 1) * dv]
+                    .copy_from_slice(&yh[i * dv..(i + 1) * dv]);
             }
         }
         Ok(tensor(y, t, hv * dv))
     }
 
-    fn gated_rms_norm(&self, y: &CpuTensor, z: &CpuTensor, w: &Vec<f32>, dim: usize, eps: f32) -> Result<CpuTensor> {
+    fn gated_rms_norm(
+        &self,
+        y: &CpuTensor,
+        z: &CpuTensor,
+        w: &Vec<f32>,
+        dim: usize,
+        eps: f32,
+    ) -> Result<CpuTensor> {
         same_shape(y, z, "gated_rms_norm")?;
-        Ok(tensor(r::gated_rms_norm(&y.data, &z.data, w, dim, eps), y.rows, y.cols))
+        Ok(tensor(
+            r::gated_rms_norm(&y.data, &z.data, w, dim, eps),
+            y.rows,
+            y.cols,
+        ))
     }
 
-    fn split_q_gate(&self, qg: &CpuTensor, heads: usize, d: usize) -> Result<(CpuTensor, CpuTensor)> {
+    fn split_q_gate(
+        &self,
+        qg: &CpuTensor,
+        heads: usize,
+        d: usize,
+    ) -> Result<(CpuTensor, CpuTensor)> {
         if qg.cols != 2 * heads * d {
-            return Err(Error::Backend(format!("split_q_gate: {} columns for {heads} heads of {d}", qg.cols)));
+            return Err(Error::Backend(format!(
+                "split_q_gate: {} columns for {heads} heads of {d}",
+                qg.cols
+            )));
         }
         let (q, g) = r::split_q_gate(&qg.data, qg.rows, heads, d);
         Ok((tensor(q, qg.rows, heads * d), tensor(g, qg.rows, heads * d)))
     }
 
-    fn head_rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, dim: usize, eps: f32) -> Result<CpuTensor> {
+    fn head_rms_norm(
+        &self,
+        x: &CpuTensor,
+        w: &Vec<f32>,
+        dim: usize,
+        eps: f32,
+    ) -> Result<CpuTensor> {
         Ok(tensor(r::rms_norm(&x.data, dim, w, eps), x.rows, x.cols))
     }
 
@@ -241,7 +313,10 @@ impl Backend for CpuBackend {
         let table = rope_table(sh, pos0, x.rows);
         let (d, half) = (sh.head_dim, sh.rotary_dim / 2);
         for (i, row) in x.data.chunks_mut(x.cols).enumerate() {
-            let (cos, sin) = (&table.0[i * half..(i + 1) * half], &table.1[i * half..(i + 1) * half]);
+            let (cos, sin) = (
+                &table.0[i * half..(i + 1) * half],
+                &table.1[i * half..(i + 1) * half],
+            );
             for head in row.chunks_mut(d).take(heads) {
                 for j in 0..half {
                     let (a, b) = (head[j], head[j + half]);
@@ -253,35 +328,69 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn kv_append(&self, c: &mut CpuKvCache, k: &CpuTensor, v: &CpuTensor, pos0: usize) -> Result<()> {
+    fn kv_append(
+        &self,
+        c: &mut CpuKvCache,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        pos0: usize,
+    ) -> Result<()> {
         same_shape(k, v, "kv_append")?;
         if k.cols != c.row {
-            return Err(Error::Backend(format!("kv_append: rows of {} values, cache rows of {}", k.cols, c.row)));
+            return Err(Error::Backend(format!(
+                "kv_append: rows of {} values, cache rows of {}",
+                k.cols, c.row
+            )));
         }
         if pos0 + k.rows > c.max_seq {
-            return Err(Error::invalid(format!("sequence full: {} positions exceed max_seq {}", pos0 + k.rows, c.max_seq)));
+            return Err(Error::invalid(format!(
+                "sequence full: {} positions exceed max_seq {}",
+                pos0 + k.rows,
+                c.max_seq
+            )));
         }
         let start = pos0 * c.row;
         c.k.truncate(start);
         c.v.truncate(start);
         if c.k.len() != start {
-            return Err(Error::Backend(format!("kv_append at position {pos0} but the cache holds {}", c.k.len() / c.row)));
+            return Err(Error::Backend(format!(
+                "kv_append at position {pos0} but the cache holds {}",
+                c.k.len() / c.row
+            )));
         }
         c.k.extend_from_slice(&k.data);
         c.v.extend_from_slice(&v.data);
         Ok(())
     }
 
-    fn attention(&self, q: &CpuTensor, c: &CpuKvCache, sh: &AttnShape, pos0: usize) -> Result<CpuTensor> {
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        c: &CpuKvCache,
+        sh: &AttnShape,
+        pos0: usize,
+    ) -> Result<CpuTensor> {
         let (t, h, d) = (q.rows, sh.heads, sh.head_dim);
         if c.k.len() < (pos0 + t) * c.row {
-            return Err(Error::Backend(format!("attention over {} positions but the cache holds {}", pos0 + t, c.k.len() / c.row)));
+            return Err(Error::Backend(format!(
+                "attention over {} positions but the cache holds {}",
+                pos0 + t,
+                c.k.len() / c.row
+            )));
         }
         let mut out = vec![0.0f32; t * h * d];
         self.pool.install(|| {
             out.par_chunks_mut(d).enumerate().for_each(|(idx, o)| {
                 let (i, hh) = (idx / h, idx % h);
-                attend_one(&q.data[idx * d..(idx + 1) * d], &c.k, &c.v, sh, hh, pos0 + i + 1, o);
+                attend_one(
+                    &q.data[idx * d..(idx + 1) * d],
+                    &c.k,
+                    &c.v,
+                    sh,
+                    hh,
+                    pos0 + i + 1,
+                    o,
+                );
             })
         });
         Ok(tensor(out, t, h * d))
@@ -289,38 +398,89 @@ impl Backend for CpuBackend {
 
     fn sigmoid_mul(&self, x: &CpuTensor, gate: &CpuTensor) -> Result<CpuTensor> {
         same_shape(x, gate, "sigmoid_mul")?;
-        Ok(tensor(x.data.iter().zip(&gate.data).map(|(a, g)| a * r::sigmoid(*g)).collect(), x.rows, x.cols))
+        Ok(tensor(
+            x.data
+                .iter()
+                .zip(&gate.data)
+                .map(|(a, g)| a * r::sigmoid(*g))
+                .collect(),
+            x.rows,
+            x.cols,
+        ))
     }
 
     fn route(&self, logits: &CpuTensor, top_k: usize, renormalize: bool) -> Result<CpuRouting> {
         let (ids, weights) = r::route(&logits.data, logits.cols, top_k, renormalize);
-        Ok(CpuRouting { ids, weights, top_k, num_experts: logits.cols })
+        Ok(CpuRouting {
+            ids,
+            weights,
+            top_k,
+            num_experts: logits.cols,
+        })
     }
 
-    fn moe_experts(&self, x: &CpuTensor, rt: &CpuRouting, gate: &QWeight, up: &QWeight, down: &QWeight) -> Result<CpuTensor> {
+    fn moe_experts(
+        &self,
+        x: &CpuTensor,
+        rt: &CpuRouting,
+        gate: &QWeight,
+        up: &QWeight,
+        down: &QWeight,
+    ) -> Result<CpuTensor> {
         let (t, hdim) = (x.rows, x.cols);
         let inter = gate.rows / rt.num_experts;
         // Tokens per expert, so that each expert's weights are read once per call.
         let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); rt.num_experts];
         for i in 0..t {
             for j in 0..rt.top_k {
-                by_expert[rt.ids[i * rt.top_k + j] as usize].push((i, rt.weights[i * rt.top_k + j]));
+                by_expert[rt.ids[i * rt.top_k + j] as usize]
+                    .push((i, rt.weights[i * rt.top_k + j]));
             }
         }
         let mut out = vec![0.0f32; t * hdim];
         self.pool.install(|| {
             for (e, toks) in by_expert.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
                 let n = toks.len();
-                let xs: Vec<f32> = toks.iter().flat_map(|&(i, _)| x.data[i * hdim..(i + 1) * hdim].iter().copied()).collect();
+                let xs: Vec<f32> = toks
+                    .iter()
+                    .flat_map(|&(i, _)| x.data[i * hdim..(i + 1) * hdim].iter().copied())
+                    .collect();
                 let mut g = vec![0.0f32; n * inter];
                 let mut u = vec![0.0f32; n * inter];
-                quant::qmatmul_rows(self.simd, &xs, n, gate, e * inter..(e + 1) * inter, &mut g, inter);
-                quant::qmatmul_rows(self.simd, &xs, n, up, e * inter..(e + 1) * inter, &mut u, inter);
+                quant::qmatmul_rows(
+                    self.simd,
+                    &xs,
+                    n,
+                    gate,
+                    e * inter..(e + 1) * inter,
+                    &mut g,
+                    inter,
+                );
+                quant::qmatmul_rows(
+                    self.simd,
+                    &xs,
+                    n,
+                    up,
+                    e * inter..(e + 1) * inter,
+                    &mut u,
+                    inter,
+                );
                 let act = r::swiglu(&g, &u);
                 let mut y = vec![0.0f32; n * hdim];
-                quant::qmatmul_rows(self.simd, &act, n, down, e * hdim..(e + 1) * hdim, &mut y, hdim);
+                quant::qmatmul_rows(
+                    self.simd,
+                    &act,
+                    n,
+                    down,
+                    e * hdim..(e + 1) * hdim,
+                    &mut y,
+                    hdim,
+                );
                 for (j, &(i, wgt)) in toks.iter().enumerate() {
-                    for (o, v) in out[i * hdim..(i + 1) * hdim].iter_mut().zip(&y[j * hdim..(j + 1) * hdim]) {
+                    for (o, v) in out[i * hdim..(i + 1) * hdim]
+                        .iter_mut()
+                        .zip(&y[j * hdim..(j + 1) * hdim])
+                    {
                         *o += wgt * v;
                     }
                 }
@@ -329,12 +489,24 @@ impl Backend for CpuBackend {
         Ok(tensor(out, t, hdim))
     }
 
-    fn add_sigmoid_gated(&self, out: &mut CpuTensor, y: &CpuTensor, gate_logit: &CpuTensor) -> Result<()> {
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut CpuTensor,
+        y: &CpuTensor,
+        gate_logit: &CpuTensor,
+    ) -> Result<()> {
         same_shape(out, y, "add_sigmoid_gated")?;
         if gate_logit.rows != out.rows || gate_logit.cols != 1 {
-            return Err(Error::Backend("add_sigmoid_gated: one gate logit per row expected".into()));
+            return Err(Error::Backend(
+                "add_sigmoid_gated: one gate logit per row expected".into(),
+            ));
         }
-        for ((orow, yrow), g) in out.data.chunks_mut(out.cols).zip(y.data.chunks(y.cols)).zip(&gate_logit.data) {
+        for ((orow, yrow), g) in out
+            .data
+            .chunks_mut(out.cols)
+            .zip(y.data.chunks(y.cols))
+            .zip(&gate_logit.data)
+        {
             let s = r::sigmoid(*g);
             orow.iter_mut().zip(yrow).for_each(|(o, v)| *o += s * v);
         }
@@ -345,7 +517,9 @@ impl Backend for CpuBackend {
 /// cos and sin `[T, rotary_dim/2]` for positions `pos0..pos0+T`, computed in f64.
 fn rope_table(sh: &AttnShape, pos0: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
     let half = sh.rotary_dim / 2;
-    let inv: Vec<f64> = (0..half).map(|j| sh.rope_theta.powf(-2.0 * j as f64 / sh.rotary_dim as f64)).collect();
+    let inv: Vec<f64> = (0..half)
+        .map(|j| sh.rope_theta.powf(-2.0 * j as f64 / sh.rotary_dim as f64))
+        .collect();
     let mut cos = Vec::with_capacity(t * half);
     let mut sin = Vec::with_capacity(t * half);
     for i in 0..t {
@@ -360,7 +534,15 @@ fn rope_table(sh: &AttnShape, pos0: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// One query head over `len` cached positions (online softmax, f32).
-fn attend_one(q: &[f32], k: &[f32], v: &[f32], sh: &AttnShape, head: usize, len: usize, out: &mut [f32]) {
+fn attend_one(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    sh: &AttnShape,
+    head: usize,
+    len: usize,
+    out: &mut [f32],
+) {
     let (kvh, d) = (sh.kv_heads, sh.head_dim);
     let kv = head / (sh.heads / kvh);
     let scale = (d as f32).powf(-0.5);
@@ -379,13 +561,24 @@ fn attend_one(q: &[f32], k: &[f32], v: &[f32], sh: &AttnShape, head: usize, len:
     for (p, s) in scores.iter().enumerate() {
         let off = (p * kvh + kv) * d;
         let wgt = s / z;
-        out.iter_mut().zip(&v[off..off + d]).for_each(|(o, vv)| *o += wgt * vv);
+        out.iter_mut()
+            .zip(&v[off..off + d])
+            .for_each(|(o, vv)| *o += wgt * vv);
     }
 }
 
 /// The gated delta rule for value head `h` over all rows, on that head's state slice.
 #[allow(clippy::too_many_arguments)]
-fn gdn_one_head(qkv: &CpuTensor, a: &CpuTensor, b: &CpuTensor, a_log: &[f32], dt_bias: &[f32], st: &mut [f32], sh: &GdnShape, h: usize) -> Vec<f32> {
+fn gdn_one_head(
+    qkv: &CpuTensor,
+    a: &CpuTensor,
+    b: &CpuTensor,
+    a_log: &[f32],
+    dt_bias: &[f32],
+    st: &mut [f32],
+    sh: &GdnShape,
+    h: usize,
+) -> Vec<f32> {
     let (hk, hv, dk, dv) = (sh.key_heads, sh.value_heads, sh.key_dim, sh.value_dim);
     let kd = hk * dk;
     let kh = h / (hv / hk);

@@ -50,6 +50,10 @@ fn prepare_x(x: &[f32], bits: u32, group: usize) -> PreparedX {
             }
         }
     }
+    if bits == 4 {
+        // The 4-bit kernels read codes as 1 + q/16 and so take 16·x (exact: a power of two).
+        xp.iter_mut().for_each(|v| *v *= 16.0);
+    }
     let sumx = x.chunks(group).map(|g| g.iter().sum()).collect();
     PreparedX { xp, sumx }
 }
@@ -58,7 +62,11 @@ fn prepare_x(x: &[f32], bits: u32, group: usize) -> PreparedX {
 fn row_parts(w: &QWeight, r: usize) -> (&[u32], &[half::bf16], &[half::bf16]) {
     let wpr = w.words_per_row();
     let gpr = w.groups_per_row();
-    (&w.codes[r * wpr..(r + 1) * wpr], &w.scales[r * gpr..(r + 1) * gpr], &w.biases[r * gpr..(r + 1) * gpr])
+    (
+        &w.codes[r * wpr..(r + 1) * wpr],
+        &w.scales[r * gpr..(r + 1) * gpr],
+        &w.biases[r * gpr..(r + 1) * gpr],
+    )
 }
 
 /// One output of the matrix-vector product, scalar, in the natural element order.
@@ -87,6 +95,9 @@ mod avx2 {
 
     use half::bf16;
 
+    /// How far ahead (in u32 words) the 4-bit kernel prefetches codes.
+    const PREFETCH_WORDS: usize = 256;
+
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn hsum(v: __m256) -> f32 {
@@ -98,45 +109,83 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// One output of a 4-bit product; `xp` is x permuted by `prepare_x`.
+    /// The eight nibbles of each u32 lane as floats `1 + q/16`, built by moving the nibble
+    /// into mantissa bits 19..22 under the exponent of 1.0: one shift, one and, one or per eight
+    /// codes, and no int-to-float conversion (which competes with the FMAs for ports).
+    /// `dot = sum((1 + q/16) * 16x) - 16 sum(x)`; the kernels fold the `-16 sum(x)` into the bias.
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub fn dot_row_q4(words: &[u32], scales: &[bf16], biases: &[bf16], xp: &[f32], sumx: &[f32]) -> f32 {
+    fn nibbles_as_floats(v: __m256i) -> [__m256; 8] {
+        let mask = _mm256_set1_epi32(0x0078_0000);
+        let one = _mm256_set1_epi32(0x3F80_0000);
+        let f = |t: __m256i| _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(t, mask), one));
+        [
+            f(_mm256_slli_epi32::<19>(v)),
+            f(_mm256_slli_epi32::<15>(v)),
+            f(_mm256_slli_epi32::<11>(v)),
+            f(_mm256_slli_epi32::<7>(v)),
+            f(_mm256_slli_epi32::<3>(v)),
+            f(_mm256_srli_epi32::<1>(v)),
+            f(_mm256_srli_epi32::<5>(v)),
+            f(_mm256_srli_epi32::<9>(v)),
+        ]
+    }
+
+    /// One output of a 4-bit product; `xp` is 16·x permuted by `prepare_x`.
+    #[target_feature(enable = "avx2,fma")]
+    pub fn dot_row_q4(
+        words: &[u32],
+        scales: &[bf16],
+        biases: &[bf16],
+        xp: &[f32],
+        sumx: &[f32],
+    ) -> f32 {
         let groups = scales.len();
         assert!(words.len() >= groups * 8 && xp.len() >= groups * 64 && sumx.len() >= groups);
-        let mask = _mm256_set1_epi32(0xF);
         let mut total = _mm256_setzero_ps();
         let mut bias_acc = 0.0f32;
         for g in 0..groups {
             // SAFETY: the assert above bounds every access: 8 words and 64 floats per group.
             unsafe {
-                let mut v = _mm256_loadu_si256(words.as_ptr().add(g * 8) as *const __m256i);
+                let v = _mm256_loadu_si256(words.as_ptr().add(g * 8) as *const __m256i);
                 let xg = xp.as_ptr().add(g * 64);
+                let f = nibbles_as_floats(v);
                 let mut a0 = _mm256_setzero_ps();
                 let mut a1 = _mm256_setzero_ps();
                 for j in (0..8).step_by(2) {
-                    let q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
-                    v = _mm256_srli_epi32::<4>(v);
-                    let q1 = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
-                    v = _mm256_srli_epi32::<4>(v);
-                    a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xg.add(j * 8)), a0);
-                    a1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xg.add(j * 8 + 8)), a1);
+                    a0 = _mm256_fmadd_ps(f[j], _mm256_loadu_ps(xg.add(j * 8)), a0);
+                    a1 = _mm256_fmadd_ps(f[j + 1], _mm256_loadu_ps(xg.add(j * 8 + 8)), a1);
                 }
-                total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scales[g].to_f32()), total);
+                total = _mm256_fmadd_ps(
+                    _mm256_add_ps(a0, a1),
+                    _mm256_set1_ps(scales[g].to_f32()),
+                    total,
+                );
             }
-            bias_acc += biases[g].to_f32() * sumx[g];
+            bias_acc += (biases[g].to_f32() - 16.0 * scales[g].to_f32()) * sumx[g];
         }
         hsum(total) + bias_acc
     }
 
     /// Four consecutive rows of a 4-bit product at once: `words`, `scales`, `biases` hold the
     /// four rows back to back. Sharing each x load across four independent FMA chains keeps the
-    /// unpack units busy instead of waiting on one chain's latency.
+    /// ports busy instead of waiting on one chain's latency.
     #[target_feature(enable = "avx2,fma")]
-    pub fn dot4_rows_q4(words: &[u32], scales: &[bf16], biases: &[bf16], xp: &[f32], sumx: &[f32]) -> [f32; 4] {
+    pub fn dot4_rows_q4(
+        words: &[u32],
+        scales: &[bf16],
+        biases: &[bf16],
+        xp: &[f32],
+        sumx: &[f32],
+    ) -> [f32; 4] {
         let groups = scales.len() / 4;
         let wpr = groups * 8;
-        assert!(words.len() >= 4 * wpr && biases.len() >= 4 * groups && xp.len() >= groups * 64 && sumx.len() >= groups);
-        let mask = _mm256_set1_epi32(0xF);
+        assert!(
+            words.len() >= 4 * wpr
+                && biases.len() >= 4 * groups
+                && xp.len() >= groups * 64
+                && sumx.len() >= groups
+        );
         let mut total = [_mm256_setzero_ps(); 4];
         let mut bias_acc = [0.0f32; 4];
         for g in 0..groups {
@@ -144,33 +193,56 @@ mod avx2 {
             // [r*wpr + g*8, +8) and floats [g*64, +64).
             unsafe {
                 let xg = xp.as_ptr().add(g * 64);
-                let mut v = [_mm256_setzero_si256(); 4];
-                for (r, vr) in v.iter_mut().enumerate() {
-                    *vr = _mm256_loadu_si256(words.as_ptr().add(r * wpr + g * 8) as *const __m256i);
-                }
                 let mut acc = [_mm256_setzero_ps(); 4];
-                for j in 0..8 {
-                    let xv = _mm256_loadu_ps(xg.add(j * 8));
-                    for r in 0..4 {
-                        let q = _mm256_cvtepi32_ps(_mm256_and_si256(v[r], mask));
-                        v[r] = _mm256_srli_epi32::<4>(v[r]);
-                        acc[r] = _mm256_fmadd_ps(q, xv, acc[r]);
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    // Prefetch well ahead: four rows are four streams, more than the hardware
+                    // prefetcher ramps up quickly on.
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        words
+                            .as_ptr()
+                            .wrapping_add(r * wpr + g * 8 + PREFETCH_WORDS)
+                            as *const i8,
+                    );
+                    let v =
+                        _mm256_loadu_si256(words.as_ptr().add(r * wpr + g * 8) as *const __m256i);
+                    let f = nibbles_as_floats(v);
+                    for (j, fj) in f.iter().enumerate() {
+                        *acc_r = _mm256_fmadd_ps(*fj, _mm256_loadu_ps(xg.add(j * 8)), *acc_r);
                     }
                 }
                 for r in 0..4 {
-                    total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(scales[r * groups + g].to_f32()), total[r]);
+                    total[r] = _mm256_fmadd_ps(
+                        acc[r],
+                        _mm256_set1_ps(scales[r * groups + g].to_f32()),
+                        total[r],
+                    );
                 }
             }
             for (r, b) in bias_acc.iter_mut().enumerate() {
-                *b += biases[r * groups + g].to_f32() * sumx[g];
+                let (s, bi) = (
+                    scales[r * groups + g].to_f32(),
+                    biases[r * groups + g].to_f32(),
+                );
+                *b += (bi - 16.0 * s) * sumx[g];
             }
         }
-        [hsum(total[0]) + bias_acc[0], hsum(total[1]) + bias_acc[1], hsum(total[2]) + bias_acc[2], hsum(total[3]) + bias_acc[3]]
+        [
+            hsum(total[0]) + bias_acc[0],
+            hsum(total[1]) + bias_acc[1],
+            hsum(total[2]) + bias_acc[2],
+            hsum(total[3]) + bias_acc[3],
+        ]
     }
 
     /// One output of an 8-bit product (two 8-word blocks per group of 64).
     #[target_feature(enable = "avx2,fma")]
-    pub fn dot_row_q8(words: &[u32], scales: &[bf16], biases: &[bf16], xp: &[f32], sumx: &[f32]) -> f32 {
+    pub fn dot_row_q8(
+        words: &[u32],
+        scales: &[bf16],
+        biases: &[bf16],
+        xp: &[f32],
+        sumx: &[f32],
+    ) -> f32 {
         let groups = scales.len();
         assert!(words.len() >= groups * 16 && xp.len() >= groups * 64 && sumx.len() >= groups);
         let mask = _mm256_set1_epi32(0xFF);
@@ -182,7 +254,8 @@ mod avx2 {
                 let mut a0 = _mm256_setzero_ps();
                 let mut a1 = _mm256_setzero_ps();
                 for blk in 0..2 {
-                    let mut v = _mm256_loadu_si256(words.as_ptr().add(g * 16 + blk * 8) as *const __m256i);
+                    let mut v =
+                        _mm256_loadu_si256(words.as_ptr().add(g * 16 + blk * 8) as *const __m256i);
                     let xg = xp.as_ptr().add(g * 64 + blk * 32);
                     for j in (0..4).step_by(2) {
                         let q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
@@ -193,7 +266,11 @@ mod avx2 {
                         a1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xg.add(j * 8 + 8)), a1);
                     }
                 }
-                total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scales[g].to_f32()), total);
+                total = _mm256_fmadd_ps(
+                    _mm256_add_ps(a0, a1),
+                    _mm256_set1_ps(scales[g].to_f32()),
+                    total,
+                );
             }
             bias_acc += biases[g].to_f32() * sumx[g];
         }
@@ -203,8 +280,16 @@ mod avx2 {
     /// `out[t][r] = dot(x[t], w[r])` for a tile of dequantized weight rows `w` `[R, k]` and all
     /// tokens `x` `[T, k]`; `out` has row stride `ldo`. Two tokens by four rows per register tile.
     #[target_feature(enable = "avx2,fma")]
-    pub fn gemm_tile(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize, out: &mut [f32], ldo: usize) {
-        assert!(k % 8 == 0 && x.len() >= t * k && w.len() >= rows * k);
+    pub fn gemm_tile(
+        x: &[f32],
+        t: usize,
+        w: &[f32],
+        rows: usize,
+        k: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        assert!(k.is_multiple_of(8) && x.len() >= t * k && w.len() >= rows * k);
         assert!(t == 0 || out.len() >= (t - 1) * ldo + rows);
         let mut i = 0;
         while i < t {
@@ -266,28 +351,47 @@ const GEMV_MAX_TOKENS: usize = 2;
 
 /// `y[t][n] = sum_k x[t][k] * w[n][k]` for rows `rows` of `w`, written to `out[t][n - rows.start]`
 /// (row stride `ldo`). Runs on the current rayon pool.
-pub fn qmatmul_rows(simd: Simd, x: &[f32], t: usize, w: &QWeight, rows: std::ops::Range<usize>, out: &mut [f32], ldo: usize) {
+pub fn qmatmul_rows(
+    simd: Simd,
+    x: &[f32],
+    t: usize,
+    w: &QWeight,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    ldo: usize,
+) {
     let k = w.cols;
     let n = rows.len();
     debug_assert!(x.len() >= t * k && out.len() >= t.saturating_sub(1) * ldo + n);
     if t <= GEMV_MAX_TOKENS {
         for i in 0..t {
             let xi = &x[i * k..(i + 1) * k];
-            let prep = if simd == Simd::Avx2 { prepare_x(xi, w.bits, w.group_size) } else { PreparedX { xp: Vec::new(), sumx: xi.chunks(w.group_size).map(|g| g.iter().sum()).collect() } };
-            let oi = &mut out[i * ldo..i * ldo + n];
-            oi.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(ci, chunk)| {
-                let r0 = rows.start + ci * ROWS_PER_TASK;
-                let mut j = 0;
-                while j < chunk.len() {
-                    if let Some(four) = dot4_rows(simd, w, r0 + j, &prep).filter(|_| j + 4 <= chunk.len()) {
-                        chunk[j..j + 4].copy_from_slice(&four);
-                        j += 4;
-                    } else {
-                        chunk[j] = dot_row(simd, w, r0 + j, xi, &prep);
-                        j += 1;
-                    }
+            let prep = if simd == Simd::Avx2 {
+                prepare_x(xi, w.bits, w.group_size)
+            } else {
+                PreparedX {
+                    xp: Vec::new(),
+                    sumx: xi.chunks(w.group_size).map(|g| g.iter().sum()).collect(),
                 }
-            });
+            };
+            let oi = &mut out[i * ldo..i * ldo + n];
+            oi.par_chunks_mut(ROWS_PER_TASK)
+                .enumerate()
+                .for_each(|(ci, chunk)| {
+                    let r0 = rows.start + ci * ROWS_PER_TASK;
+                    let mut j = 0;
+                    while j < chunk.len() {
+                        if let Some(four) =
+                            dot4_rows(simd, w, r0 + j, &prep).filter(|_| j + 4 <= chunk.len())
+                        {
+                            chunk[j..j + 4].copy_from_slice(&four);
+                            j += 4;
+                        } else {
+                            chunk[j] = dot_row(simd, w, r0 + j, xi, &prep);
+                            j += 1;
+                        }
+                    }
+                });
         }
         return;
     }
@@ -307,7 +411,8 @@ pub fn qmatmul_rows(simd: Simd, x: &[f32], t: usize, w: &QWeight, rows: std::ops
     for (start, part) in chunks {
         let len = part.len() / t;
         for i in 0..t {
-            out[i * ldo + start..i * ldo + start + len].copy_from_slice(&part[i * len..(i + 1) * len]);
+            out[i * ldo + start..i * ldo + start + len]
+                .copy_from_slice(&part[i * len..(i + 1) * len]);
         }
     }
 }
@@ -344,9 +449,19 @@ fn dot_row(simd: Simd, w: &QWeight, r: usize, x: &[f32], prep: &PreparedX) -> f3
 }
 
 /// `out[t][r] = dot(x[t], tile[r])`.
-pub fn gemm(simd: Simd, x: &[f32], t: usize, tile: &[f32], rows: usize, k: usize, out: &mut [f32], ldo: usize) {
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    simd: Simd,
+    x: &[f32],
+    t: usize,
+    tile: &[f32],
+    rows: usize,
+    k: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
     #[cfg(target_arch = "x86_64")]
-    if simd == Simd::Avx2 && k % 8 == 0 {
+    if simd == Simd::Avx2 && k.is_multiple_of(8) {
         // SAFETY: Simd::Avx2 is only chosen after detecting avx2 and fma.
         unsafe { avx2::gemm_tile(x, t, tile, rows, k, out, ldo) };
         return;
@@ -354,7 +469,11 @@ pub fn gemm(simd: Simd, x: &[f32], t: usize, tile: &[f32], rows: usize, k: usize
     let _ = simd;
     for i in 0..t {
         for r in 0..rows {
-            out[i * ldo + r] = x[i * k..(i + 1) * k].iter().zip(&tile[r * k..(r + 1) * k]).map(|(a, b)| a * b).sum();
+            out[i * ldo + r] = x[i * k..(i + 1) * k]
+                .iter()
+                .zip(&tile[r * k..(r + 1) * k])
+                .map(|(a, b)| a * b)
+                .sum();
         }
     }
 }

@@ -39,7 +39,11 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 pub fn embed(table: &QWeight, tokens: &[u32]) -> Vec<f32> {
     let mut out = vec![0.0f32; tokens.len() * table.cols];
     for (i, &tok) in tokens.iter().enumerate() {
-        dequant_row(table, tok as usize, &mut out[i * table.cols..(i + 1) * table.cols]);
+        dequant_row(
+            table,
+            tok as usize,
+            &mut out[i * table.cols..(i + 1) * table.cols],
+        );
     }
     out
 }
@@ -89,7 +93,14 @@ pub fn argmax(row: &[f32]) -> u32 {
 
 /// Causal depthwise conv. `window` holds the previous `K-1` inputs `[K-1, C]`, oldest first;
 /// `w` is tap-major `[K, C]` (tap `K-1` multiplies the current input).
-pub fn conv1d_silu(x: &[f32], t: usize, c: usize, w: &[f32], window: &mut [f32], k: usize) -> Vec<f32> {
+pub fn conv1d_silu(
+    x: &[f32],
+    t: usize,
+    c: usize,
+    w: &[f32],
+    window: &mut [f32],
+    k: usize,
+) -> Vec<f32> {
     let mut hist: Vec<f32> = window.to_vec();
     hist.extend_from_slice(&x[..t * c]);
     let mut y = vec![0.0f32; t * c];
@@ -118,7 +129,16 @@ pub const GDN_L2_EPS: f32 = 1e-6;
 
 /// The gated delta rule, token by token. State `s` is `[Hv, Dv, Dk]` f32.
 #[allow(clippy::too_many_arguments)]
-pub fn gdn_recurrence(qkv: &[f32], a: &[f32], b: &[f32], a_log: &[f32], dt_bias: &[f32], s: &mut [f32], sh: &GdnShape, t: usize) -> Vec<f32> {
+pub fn gdn_recurrence(
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    s: &mut [f32],
+    sh: &GdnShape,
+    t: usize,
+) -> Vec<f32> {
     let (hk, hv, dk, dv) = (sh.key_heads, sh.value_heads, sh.key_dim, sh.value_dim);
     let c = sh.conv_channels();
     let kd = hk * dk;
@@ -188,7 +208,14 @@ pub fn rope(x: &mut [f32], t: usize, sh: &AttnShape, heads: usize, pos0: usize) 
 }
 
 /// Causal GQA attention: q rows at positions `pos0..pos0+t` over `k`/`v` caches `[len, KVH*D]`.
-pub fn attention(q: &[f32], t: usize, k: &[f32], v: &[f32], sh: &AttnShape, pos0: usize) -> Vec<f32> {
+pub fn attention(
+    q: &[f32],
+    t: usize,
+    k: &[f32],
+    v: &[f32],
+    sh: &AttnShape,
+    pos0: usize,
+) -> Vec<f32> {
     let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
     let group = h / kvh;
     let scale = (d as f32).powf(-0.5);
@@ -198,7 +225,9 @@ pub fn attention(q: &[f32], t: usize, k: &[f32], v: &[f32], sh: &AttnShape, pos0
         for hh in 0..h {
             let kv = hh / group;
             let qv = &q[(i * h + hh) * d..(i * h + hh + 1) * d];
-            let scores: Vec<f32> = (0..len).map(|p| dot(qv, &k[(p * kvh + kv) * d..(p * kvh + kv + 1) * d]) * scale).collect();
+            let scores: Vec<f32> = (0..len)
+                .map(|p| dot(qv, &k[(p * kvh + kv) * d..(p * kvh + kv + 1) * d]) * scale)
+                .collect();
             let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
             let z: f32 = e.iter().sum();
@@ -225,7 +254,12 @@ pub fn route(logits: &[f32], e: usize, top_k: usize, renormalize: bool) -> (Vec<
         let z: f32 = ex.iter().sum();
         let p: Vec<f32> = ex.iter().map(|x| x / z).collect();
         let mut order: Vec<usize> = (0..e).collect();
-        order.sort_by(|&i, &j| row[j].partial_cmp(&row[i]).unwrap_or(std::cmp::Ordering::Equal).then(i.cmp(&j)));
+        order.sort_by(|&i, &j| {
+            row[j]
+                .partial_cmp(&row[i])
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(i.cmp(&j))
+        });
         let chosen = &order[..top_k];
         let total: f32 = chosen.iter().map(|&i| p[i]).sum();
         for &i in chosen {
@@ -248,7 +282,17 @@ fn expert_matvec(w: &QWeight, e: usize, rows_per: usize, x: &[f32]) -> Vec<f32> 
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn moe_experts(x: &[f32], t: usize, ids: &[u32], ws: &[f32], top_k: usize, num_experts: usize, gate: &QWeight, up: &QWeight, down: &QWeight) -> Vec<f32> {
+pub fn moe_experts(
+    x: &[f32],
+    t: usize,
+    ids: &[u32],
+    ws: &[f32],
+    top_k: usize,
+    num_experts: usize,
+    gate: &QWeight,
+    up: &QWeight,
+    down: &QWeight,
+) -> Vec<f32> {
     let hdim = gate.cols;
     let inter = gate.rows / num_experts;
     let mut out = vec![0.0f32; t * hdim];
