@@ -29,7 +29,9 @@ pub struct BenchArgs {
 }
 
 pub fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
-    (0..len).map(|i| ((i as u64).wrapping_mul(2_654_435_761) % (1u64 << 32) % vocab as u64) as u32).collect()
+    (0..len)
+        .map(|i| ((i as u64).wrapping_mul(2_654_435_761) % (1u64 << 32) % vocab as u64) as u32)
+        .collect()
 }
 
 pub fn fnv1a64(tokens: &[u32]) -> String {
@@ -131,7 +133,14 @@ mod tests {
     #[test]
     fn prompt_formula_matches_the_contract() {
         // i * 2654435761 mod 2^32, then mod vocab.
-        assert_eq!(bench_prompt(3, 248_320), vec![0, 2_654_435_761 % 248_320, ((2u64 * 2_654_435_761) % (1 << 32) % 248_320) as u32]);
+        assert_eq!(
+            bench_prompt(3, 248_320),
+            vec![
+                0,
+                2_654_435_761 % 248_320,
+                ((2u64 * 2_654_435_761) % (1 << 32) % 248_320) as u32
+            ]
+        );
     }
 
     #[test]

@@ -37,11 +37,14 @@ fn best_and_median(mut v: Vec<f64>) -> (f64, f64) {
 
 /// A cheap deterministic fill (the values do not matter, only that pages are touched).
 fn fill_u32(n: usize, seed: u32) -> Vec<u32> {
-    (0..n as u32).into_par_iter().map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(seed)).collect()
+    (0..n as u32)
+        .into_par_iter()
+        .map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(seed))
+        .collect()
 }
 
 pub fn run(a: CpuBenchArgs) -> Result<()> {
-    anyhow::ensure!(a.cols % 64 == 0, "--cols must be a multiple of 64");
+    anyhow::ensure!(a.cols.is_multiple_of(64), "--cols must be a multiple of 64");
     anyhow::ensure!(a.reps >= 1, "--reps must be at least 1");
     let cpu = CpuBackend::new(a.threads)?;
     let threads = cpu.threads();
@@ -53,7 +56,11 @@ pub fn run(a: CpuBenchArgs) -> Result<()> {
     let mut sink = 0u64;
     for _ in 0..a.reps {
         let t = Instant::now();
-        sink ^= cpu.install(|| buf.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |s, v| s.wrapping_add(*v))).reduce(|| 0, u64::wrapping_add));
+        sink ^= cpu.install(|| {
+            buf.par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u64, |s, v| s.wrapping_add(*v)))
+                .reduce(|| 0, u64::wrapping_add)
+        });
         bw_times.push(t.elapsed().as_secs_f64());
     }
     let (bw_best, bw_med) = best_and_median(bw_times);
@@ -65,8 +72,16 @@ pub fn run(a: CpuBenchArgs) -> Result<()> {
     let w = cpu.install(|| QWeight {
         name: "bench".into(),
         codes: HostSlice::from_vec(fill_u32(rows * cols / 8, 1)),
-        scales: HostSlice::from_vec((0..rows * cols / 64).map(|i| bf16::from_f32(0.001 + (i % 7) as f32 * 1e-4)).collect()),
-        biases: HostSlice::from_vec((0..rows * cols / 64).map(|i| bf16::from_f32(-0.01 - (i % 5) as f32 * 1e-3)).collect()),
+        scales: HostSlice::from_vec(
+            (0..rows * cols / 64)
+                .map(|i| bf16::from_f32(0.001 + (i % 7) as f32 * 1e-4))
+                .collect(),
+        ),
+        biases: HostSlice::from_vec(
+            (0..rows * cols / 64)
+                .map(|i| bf16::from_f32(-0.01 - (i % 5) as f32 * 1e-3))
+                .collect(),
+        ),
         rows,
         cols,
         bits: 4,

@@ -33,10 +33,16 @@ pub struct GenerateArgs {
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     let dir = &a.model.model;
-    let tokenizer = if dir.join("tokenizer.json").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };
+    let tokenizer = if dir.join("tokenizer.json").exists() {
+        Some(Tokenizer::from_dir(dir)?)
+    } else {
+        None
+    };
     let prompt_ids: Vec<u32> = match (&a.prompt, &a.prompt_ids) {
         (Some(text), None) => {
-            let tok = tokenizer.as_ref().with_context(|| format!("--prompt needs {}/tokenizer.json", dir.display()))?;
+            let tok = tokenizer
+                .as_ref()
+                .with_context(|| format!("--prompt needs {}/tokenizer.json", dir.display()))?;
             let text = if a.chat {
                 let template = ChatTemplate::from_dir(dir)?;
                 let messages = json!([{"role": "user", "content": text}]);
@@ -66,14 +72,24 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let streaming = !a.json;
     let mut stream = tokenizer.as_ref().map(|t| t.stream_decoder());
     let mut on_token = |tok: u32| {
-        if streaming && let Some(s) = stream.as_mut() && let Ok(piece) = s.push(tok) {
+        if streaming
+            && let Some(s) = stream.as_mut()
+            && let Ok(piece) = s.push(tok)
+        {
             use std::io::Write;
             print!("{piece}");
             let _ = std::io::stdout().flush();
         }
         true
     };
-    let g = eng.generate(&prompt_ids, a.max_tokens, &stop_ids, &mut state, &mut pick, &mut on_token)?;
+    let g = eng.generate(
+        &prompt_ids,
+        a.max_tokens,
+        &stop_ids,
+        &mut state,
+        &mut pick,
+        &mut on_token,
+    )?;
     let text = match &tokenizer {
         Some(t) => Some(t.decode(&g.tokens, true)?),
         None => None,

@@ -1,10 +1,12 @@
-//! The `lily` binary: generate, bench and synth (the server comes next).
+//! The `lily` binary: serve (the OpenAI-compatible server), generate, bench and synth.
 
+mod api;
 mod bench;
 mod cpu_bench;
 mod generate_cmd;
 mod metrics;
 mod scheduler;
+mod serve;
 mod session_cache;
 mod synth_cmd;
 
@@ -14,10 +16,18 @@ use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
-#[command(name = "lily", version, about = "Fast, exact inference for Qwen hybrid MoE models")]
+#[command(
+    name = "lily",
+    version,
+    about = "Fast, exact inference for Qwen hybrid MoE models"
+)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    /// `lily --model DIR [--bind ADDR] [--max-seq N] ...` is `lily serve ...`.
+    #[command(flatten)]
+    serve: Option<serve::ServeArgs>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -28,6 +38,8 @@ pub enum DeviceArg {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI-compatible HTTP API (also the default: `lily --model DIR`).
+    Serve(serve::ServeArgs),
     /// Generate greedily from a prompt.
     Generate(generate_cmd::GenerateArgs),
     /// Measure prefill and decode speed (lily's bench contract).
@@ -54,15 +66,23 @@ pub struct ModelArgs {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("LILY_LOG").unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("LILY_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let result: Result<()> = match cli.command {
-        Command::Generate(a) => generate_cmd::run(a),
-        Command::Bench(a) => bench::run(a),
-        Command::BenchCpu(a) => cpu_bench::run(a),
-        Command::Synth(a) => synth_cmd::run(a),
+    let result: Result<()> = match (cli.command, cli.serve) {
+        (Some(Command::Serve(a)), _) | (None, Some(a)) => serve::run(a),
+        (None, None) => {
+            let _ = <Cli as clap::CommandFactory>::command().print_help();
+            std::process::exit(2);
+        }
+        (Some(Command::Generate(a)), _) => generate_cmd::run(a),
+        (Some(Command::Bench(a)), _) => bench::run(a),
+        (Some(Command::BenchCpu(a)), _) => cpu_bench::run(a),
+        (Some(Command::Synth(a)), _) => synth_cmd::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -71,7 +91,9 @@ fn main() {
 }
 
 /// Loads the engine on the requested device.
-pub fn load_engine(args: &ModelArgs) -> Result<engine::generate::Engine<engine::backend::cpu::CpuBackend>> {
+pub fn load_engine(
+    args: &ModelArgs,
+) -> Result<engine::generate::Engine<engine::backend::cpu::CpuBackend>> {
     use anyhow::Context;
     let backend = engine::backend::cpu::CpuBackend::new(args.threads)?;
     let t = std::time::Instant::now();
@@ -81,6 +103,11 @@ pub fn load_engine(args: &ModelArgs) -> Result<engine::generate::Engine<engine::
     };
     let eng = engine::generate::Engine::load(&args.model, backend)
         .with_context(|| format!("loading {}", args.model.display()))?;
-    tracing::info!("loaded {} on {} in {:.2}s", args.model.display(), name, t.elapsed().as_secs_f64());
+    tracing::info!(
+        "loaded {} on {} in {:.2}s",
+        args.model.display(),
+        name,
+        t.elapsed().as_secs_f64()
+    );
     Ok(eng)
 }

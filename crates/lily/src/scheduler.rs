@@ -60,7 +60,10 @@ pub struct GenSummary {
 #[derive(Debug)]
 pub enum GenEvent {
     /// Generation began: this many prompt tokens came from the cache.
-    Started { cached_tokens: usize, queue_ms: f64 },
+    Started {
+        cached_tokens: usize,
+        queue_ms: f64,
+    },
     Token(u32),
     Done(GenSummary),
     /// The request failed inside the engine; the message is safe to show to the client.
@@ -125,7 +128,10 @@ pub struct SchedulerConfig {
 impl Scheduler {
     /// Starts the engine thread, which loads the model and then serves the queue. Returns at
     /// once; `status()` says when the model is ready.
-    pub fn start(cfg: SchedulerConfig, metrics: Arc<Metrics>) -> (Scheduler, std::thread::JoinHandle<()>) {
+    pub fn start(
+        cfg: SchedulerConfig,
+        metrics: Arc<Metrics>,
+    ) -> (Scheduler, std::thread::JoinHandle<()>) {
         let capacity = cfg.queue.max(1);
         // The channel itself is unbounded in practice; `queue_depth` enforces the limit so the
         // HTTP side can answer 429 without blocking.
@@ -147,7 +153,11 @@ impl Scheduler {
     }
 
     pub fn status(&self) -> EngineStatus {
-        self.shared.status.lock().map(|s| s.clone()).unwrap_or(EngineStatus::Failed("status lock poisoned".into()))
+        self.shared
+            .status
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or(EngineStatus::Failed("status lock poisoned".into()))
     }
 
     pub fn model_info(&self) -> Option<Arc<ModelInfo>> {
@@ -172,17 +182,36 @@ impl Scheduler {
         let depth = self.shared.queue_depth.fetch_add(1, Ordering::SeqCst);
         if depth >= self.shared.capacity {
             self.shared.queue_depth.fetch_sub(1, Ordering::SeqCst);
-            return Err(SubmitError::QueueFull { capacity: self.shared.capacity });
+            return Err(SubmitError::QueueFull {
+                capacity: self.shared.capacity,
+            });
         }
         let (etx, erx) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        let job = Job { req, events: etx, cancel: cancel.clone(), enqueued: Instant::now() };
-        if self.tx.try_send(job).is_err() {
+        let job = Job {
+            req,
+            events: etx,
+            cancel: cancel.clone(),
+            enqueued: Instant::now(),
+        };
+        if let Err(e) = self.tx.try_send(job) {
             self.shared.queue_depth.fetch_sub(1, Ordering::SeqCst);
-            return Err(SubmitError::QueueFull { capacity: self.shared.capacity });
+            return Err(match e {
+                mpsc::TrySendError::Full(_) => SubmitError::QueueFull {
+                    capacity: self.shared.capacity,
+                },
+                // The engine thread is gone: nothing will ever run this request.
+                mpsc::TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
+            });
         }
-        self.shared.metrics.queue_depth.store(self.queue_depth() as u64, Ordering::Relaxed);
-        Ok(GenStream { events: erx, cancel })
+        self.shared
+            .metrics
+            .queue_depth
+            .store(self.queue_depth() as u64, Ordering::Relaxed);
+        Ok(GenStream {
+            events: erx,
+            cancel,
+        })
     }
 
     /// Refuses new work; queued requests still run. The engine thread exits once the last
@@ -213,7 +242,15 @@ fn engine_thread(cfg: SchedulerConfig, sh: Arc<Shared>, rx: mpsc::Receiver<Job>)
             }
         }
         let id = model_id(&cfg.model_dir);
-        let info = ModelInfo { id, vocab_size: eng.config().vocab_size, max_seq, tokenizer, template, stop_ids, device };
+        let info = ModelInfo {
+            id,
+            vocab_size: eng.config().vocab_size,
+            max_seq,
+            tokenizer,
+            template,
+            stop_ids,
+            device,
+        };
         Ok((eng, info))
     })();
     let (eng, info) = match loaded {
@@ -224,13 +261,20 @@ fn engine_thread(cfg: SchedulerConfig, sh: Arc<Shared>, rx: mpsc::Receiver<Job>)
             // Answer anything that was queued meanwhile.
             while let Ok(job) = rx.recv() {
                 sh.queue_depth.fetch_sub(1, Ordering::SeqCst);
-                let _ = job.events.send(GenEvent::Error("the model failed to load".into()));
+                let _ = job
+                    .events
+                    .send(GenEvent::Error("the model failed to load".into()));
             }
             return;
         }
     };
     let info = Arc::new(info);
-    tracing::info!("model {} ready on {} (max_seq {})", info.id, info.device, info.max_seq);
+    tracing::info!(
+        "model {} ready on {} (max_seq {})",
+        info.id,
+        info.device,
+        info.max_seq
+    );
     if let Ok(mut g) = sh.info.lock() {
         *g = Some(info.clone());
     }
@@ -238,11 +282,29 @@ fn engine_thread(cfg: SchedulerConfig, sh: Arc<Shared>, rx: mpsc::Receiver<Job>)
 
     let mut cache: SessionCache<CpuBackend> = SessionCache::new(cfg.cache_bytes);
     while let Ok(job) = rx.recv() {
-        let depth = sh.queue_depth.fetch_sub(1, Ordering::SeqCst).saturating_sub(1);
-        sh.metrics.queue_depth.store(depth as u64, Ordering::Relaxed);
-        run_job(&eng, &info, &mut cache, job, &sh.metrics);
-        sh.metrics.cache_entries.store(cache.len() as u64, Ordering::Relaxed);
-        sh.metrics.cache_bytes.store(cache.bytes() as u64, Ordering::Relaxed);
+        let depth = sh
+            .queue_depth
+            .fetch_sub(1, Ordering::SeqCst)
+            .saturating_sub(1);
+        sh.metrics
+            .queue_depth
+            .store(depth as u64, Ordering::Relaxed);
+        // A bug in one request must not take the server down: the job's state was checked
+        // out of the cache, so dropping it on a panic leaves the cache consistent.
+        let events = job.events.clone();
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_job(&eng, &info, &mut cache, job, &sh.metrics)
+        }));
+        if ran.is_err() {
+            tracing::error!("a request panicked in the engine; it was answered with an error");
+            let _ = events.send(GenEvent::Error("internal error in the engine".into()));
+        }
+        sh.metrics
+            .cache_entries
+            .store(cache.len() as u64, Ordering::Relaxed);
+        sh.metrics
+            .cache_bytes
+            .store(cache.bytes() as u64, Ordering::Relaxed);
     }
     tracing::info!("engine thread drained its queue and stops");
 }
@@ -250,11 +312,25 @@ fn engine_thread(cfg: SchedulerConfig, sh: Arc<Shared>, rx: mpsc::Receiver<Job>)
 /// The served model id: the checkpoint directory's name (e.g. `Qwen3.6-35B-A3B-4bit`).
 pub fn model_id(dir: &std::path::Path) -> String {
     let canon = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-    canon.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "lily".into())
+    canon
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "lily".into())
 }
 
-fn run_job<B: Backend>(eng: &Engine<B>, info: &ModelInfo, cache: &mut SessionCache<B>, job: Job, metrics: &Metrics) {
-    let Job { req, events, cancel, enqueued } = job;
+fn run_job<B: Backend>(
+    eng: &Engine<B>,
+    info: &ModelInfo,
+    cache: &mut SessionCache<B>,
+    job: Job,
+    metrics: &Metrics,
+) {
+    let Job {
+        req,
+        events,
+        cancel,
+        enqueued,
+    } = job;
     let queue_ms = enqueued.elapsed().as_secs_f64() * 1e3;
     if cancel.load(Ordering::Relaxed) {
         return; // the client left while queued
@@ -266,7 +342,10 @@ fn run_job<B: Backend>(eng: &Engine<B>, info: &ModelInfo, cache: &mut SessionCac
             None => (eng.new_state(info.max_seq)?, Vec::new()),
         };
         let cached = tokens.len();
-        let _ = events.send(GenEvent::Started { cached_tokens: cached, queue_ms });
+        let _ = events.send(GenEvent::Started {
+            cached_tokens: cached,
+            queue_ms,
+        });
         let mut sampler = Sampler::new(req.sampling.clone());
         let mut pick = |b: &B, logits: &B::Tensor| -> engine::Result<u32> {
             let tok = if sampler.needs_logits() {
@@ -278,9 +357,17 @@ fn run_job<B: Backend>(eng: &Engine<B>, info: &ModelInfo, cache: &mut SessionCac
             sampler.accept(tok);
             Ok(tok)
         };
-        let mut on_token = |tok: u32| events.send(GenEvent::Token(tok)).is_ok() && !cancel.load(Ordering::Relaxed);
+        let mut on_token =
+            |tok: u32| events.send(GenEvent::Token(tok)).is_ok() && !cancel.load(Ordering::Relaxed);
         let suffix = &req.prompt[cached..];
-        let result = eng.generate(suffix, req.max_tokens, &info.stop_ids, &mut state, &mut pick, &mut on_token);
+        let result = eng.generate(
+            suffix,
+            req.max_tokens,
+            &info.stop_ids,
+            &mut state,
+            &mut pick,
+            &mut on_token,
+        );
         let g = match result {
             Ok(g) => g,
             Err(e) => {

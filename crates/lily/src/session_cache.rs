@@ -27,7 +27,11 @@ pub struct SessionCache<B: Backend> {
 
 impl<B: Backend> SessionCache<B> {
     pub fn new(budget_bytes: usize) -> Self {
-        SessionCache { entries: Vec::new(), budget: budget_bytes, clock: 0 }
+        SessionCache {
+            entries: Vec::new(),
+            budget: budget_bytes,
+            clock: 0,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -40,13 +44,23 @@ impl<B: Backend> SessionCache<B> {
 
     /// Checks out the best entry for `prompt`: among entries whose tokens are a strict prefix of
     /// it, one with a matching key first, then the longest. Returns its state and tokens.
-    pub fn acquire(&mut self, prompt: &[u32], key: Option<&str>) -> Option<(DecodeState<B>, Vec<u32>)> {
+    pub fn acquire(
+        &mut self,
+        prompt: &[u32],
+        key: Option<&str>,
+    ) -> Option<(DecodeState<B>, Vec<u32>)> {
         let best = self
             .entries
             .iter()
             .enumerate()
             .filter(|(_, e)| e.tokens.len() < prompt.len() && prompt.starts_with(&e.tokens))
-            .max_by_key(|(_, e)| (key.is_some() && e.key.as_deref() == key, e.tokens.len(), e.last_used))
+            .max_by_key(|(_, e)| {
+                (
+                    key.is_some() && e.key.as_deref() == key,
+                    e.tokens.len(),
+                    e.last_used,
+                )
+            })
             .map(|(i, _)| i)?;
         let e = self.entries.swap_remove(best);
         Some((e.state, e.tokens))
@@ -55,7 +69,13 @@ impl<B: Backend> SessionCache<B> {
     /// Stores a state after a request (`state.pos == tokens.len()`), then evicts least recently
     /// used entries until the cache fits its budget. An entry alone larger than the budget is
     /// dropped.
-    pub fn release(&mut self, tokens: Vec<u32>, state: DecodeState<B>, key: Option<String>, backend: &B) {
+    pub fn release(
+        &mut self,
+        tokens: Vec<u32>,
+        state: DecodeState<B>,
+        key: Option<String>,
+        backend: &B,
+    ) {
         if tokens.is_empty() || state.pos != tokens.len() {
             return;
         }
@@ -66,9 +86,23 @@ impl<B: Backend> SessionCache<B> {
         // An entry with exactly these tokens is now redundant.
         self.entries.retain(|e| e.tokens != tokens);
         self.clock += 1;
-        self.entries.push(Entry { tokens, state, key, bytes, last_used: self.clock });
+        self.entries.push(Entry {
+            tokens,
+            state,
+            key,
+            bytes,
+            last_used: self.clock,
+        });
         while self.bytes() > self.budget {
-            let Some(lru) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i) else { break };
+            let Some(lru) = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(i, _)| i)
+            else {
+                break;
+            };
             self.entries.swap_remove(lru);
         }
     }
@@ -77,7 +111,10 @@ impl<B: Backend> SessionCache<B> {
 /// A default budget from the memory available now: a quarter of it, at least 256 MiB.
 pub fn default_budget_bytes() -> usize {
     let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        m.lines().find(|l| l.starts_with("MemAvailable:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|kb| kb.parse::<usize>().ok())
+        m.lines()
+            .find(|l| l.starts_with("MemAvailable:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<usize>().ok())
     });
     match available {
         Some(kb) => (kb * 1024 / 4).max(256 << 20),
@@ -93,11 +130,21 @@ mod tests {
 
     fn state(b: &CpuBackend, pos: usize) -> DecodeState<CpuBackend> {
         use engine::backend::{AttnShape, Backend};
-        let sh = AttnShape { heads: 1, kv_heads: 1, head_dim: 4, rotary_dim: 4, rope_theta: 1e4 };
+        let sh = AttnShape {
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 4,
+            rotary_dim: 4,
+            rope_theta: 1e4,
+        };
         let mut cache = b.new_kv_cache(&sh, 64).expect("cache");
         let k = b.upload_tensor(&vec![0.0; pos * 4], pos, 4).expect("k");
         b.kv_append(&mut cache, &k, &k, 0).expect("append");
-        DecodeState { pos, max_seq: 64, layers: vec![LayerState::Attn(cache)] }
+        DecodeState {
+            pos,
+            max_seq: 64,
+            layers: vec![LayerState::Attn(cache)],
+        }
     }
 
     #[test]
@@ -131,7 +178,10 @@ mod tests {
         c.release(vec![3, 3, 3, 3], state(&b, 4), None, &b);
         assert_eq!(c.len(), 2);
         assert!(c.bytes() <= 2 * one);
-        assert!(c.acquire(&[2, 2, 2, 2, 5], None).is_none(), "the least recently used entry was evicted");
+        assert!(
+            c.acquire(&[2, 2, 2, 2, 5], None).is_none(),
+            "the least recently used entry was evicted"
+        );
         assert!(c.acquire(&[1, 1, 1, 1, 5], None).is_some());
         // An entry larger than the whole budget is not kept.
         let mut tiny = SessionCache::new(one / 2);
