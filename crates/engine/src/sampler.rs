@@ -113,12 +113,15 @@ impl Sampler {
         if p.is_greedy() {
             return argmax(logits);
         }
-        // Candidates (id, logit), best first, limited by top-k and the top-p prefilter.
         let limit = if p.top_k > 0 {
             p.top_k.min(logits.len())
         } else {
             logits.len()
         };
+        if limit == logits.len() && p.top_p >= 1.0 {
+            return self.sample_whole_vocabulary(logits);
+        }
+        // Candidates (id, logit), best first, limited by top-k and the top-p prefilter.
         let mut cand = top_candidates(logits, limit.min(TOP_P_PREFILTER));
         let mut probs = softmax_scaled(&cand, p.temperature);
         if limit > cand.len() && p.top_p < 1.0 {
@@ -157,6 +160,48 @@ impl Sampler {
             u -= pr;
         }
         cand[keep - 1].0
+    }
+}
+
+impl Sampler {
+    /// Temperature (and min-p) sampling over the whole vocabulary: one pass for the weights and
+    /// one draw, no sort (the OpenAI default `top_p = 1` must not cost a 248k-entry sort).
+    fn sample_whole_vocabulary(&mut self, logits: &[f32]) -> u32 {
+        let t = self.params.temperature;
+        let m = logits
+            .iter()
+            .copied()
+            .filter(|l| !l.is_nan())
+            .fold(f32::NEG_INFINITY, f32::max);
+        // min-p keeps tokens with p >= min_p * p_max, i.e. logit >= max + T ln(min_p).
+        let cutoff = if self.params.min_p > 0.0 {
+            m + t * self.params.min_p.ln()
+        } else {
+            f32::NEG_INFINITY
+        };
+        let weights: Vec<f32> = logits
+            .iter()
+            .map(|&l| {
+                if l >= cutoff {
+                    ((l - m) / t).exp()
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let total: f64 = weights.iter().map(|&w| w as f64).sum();
+        let mut u = self.rng.random::<f64>() * total;
+        let mut last = argmax(logits);
+        for (i, &w) in weights.iter().enumerate() {
+            if w > 0.0 {
+                if u < w as f64 {
+                    return i as u32;
+                }
+                u -= w as f64;
+                last = i as u32;
+            }
+        }
+        last
     }
 }
 
@@ -282,6 +327,27 @@ mod tests {
         assert_eq!(s.sample(&logits), 0);
         s.accept(0);
         assert_eq!(s.sample(&logits), 1);
+    }
+
+    #[test]
+    fn whole_vocabulary_sampling_follows_the_distribution_and_min_p() {
+        // Three tokens with probabilities 0.1, 0.3, 0.6 at temperature 1; min_p 0.4 drops the first.
+        let logits = [0.1f32.ln(), 0.3f32.ln(), 0.6f32.ln()];
+        let mut s = Sampler::new(params(1.0));
+        let n = 30_000;
+        let mut counts = [0usize; 3];
+        (0..n).for_each(|_| counts[s.sample(&logits) as usize] += 1);
+        for (c, p) in counts.iter().zip([0.1, 0.3, 0.6]) {
+            assert!(
+                (*c as f64 / n as f64 - p).abs() < 0.015,
+                "counts {counts:?}"
+            );
+        }
+        let mut s = Sampler::new(SamplingParams {
+            min_p: 0.4,
+            ..params(1.0)
+        });
+        assert!((0..2000).all(|_| s.sample(&logits) != 0));
     }
 
     #[test]
