@@ -95,8 +95,10 @@ mod avx2 {
 
     use half::bf16;
 
-    /// How far ahead (in u32 words) the 4-bit kernel prefetches codes.
-    const PREFETCH_WORDS: usize = 256;
+    /// How far ahead (in u32 words, 8 KiB) the 4-bit kernel prefetches each row's codes: four
+    /// rows are four streams, and the hardware prefetcher alone left the product short of the
+    /// memory bandwidth (measured in docs/performance.md).
+    const PREFETCH_WORDS: usize = 2048;
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -109,26 +111,35 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// The eight nibbles of each u32 lane as floats `1 + q/16`, built by moving the nibble
-    /// into mantissa bits 19..22 under the exponent of 1.0: one shift, one and, one or per eight
-    /// codes, and no int-to-float conversion (which competes with the FMAs for ports).
+    /// `acc += sum_j (1 + q_j/16) * xg[8j..8j+8]` for the eight nibbles `q_j` of each u32 lane of
+    /// `v`. Each nibble is moved into mantissa bits 19..22 under the exponent of 1.0 (one shift,
+    /// one and, one or per eight codes), which avoids the int-to-float conversion that competes
+    /// with the FMAs for ports. The floats are made one at a time, right before their FMA, so
+    /// the caller's accumulators stay in the sixteen ymm registers.
     /// `dot = sum((1 + q/16) * 16x) - 16 sum(x)`; the kernels fold the `-16 sum(x)` into the bias.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn nibbles_as_floats(v: __m256i) -> [__m256; 8] {
-        let mask = _mm256_set1_epi32(0x0078_0000);
-        let one = _mm256_set1_epi32(0x3F80_0000);
-        let f = |t: __m256i| _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(t, mask), one));
-        [
-            f(_mm256_slli_epi32::<19>(v)),
-            f(_mm256_slli_epi32::<15>(v)),
-            f(_mm256_slli_epi32::<11>(v)),
-            f(_mm256_slli_epi32::<7>(v)),
-            f(_mm256_slli_epi32::<3>(v)),
-            f(_mm256_srli_epi32::<1>(v)),
-            f(_mm256_srli_epi32::<5>(v)),
-            f(_mm256_srli_epi32::<9>(v)),
-        ]
+    macro_rules! fma_nibbles {
+        ($acc:expr, $v:expr, $xg:expr) => {{
+            let mask = _mm256_set1_epi32(0x0078_0000);
+            let one = _mm256_set1_epi32(0x3F80_0000);
+            let v = $v;
+            macro_rules! step {
+                ($j:literal, $t:expr) => {
+                    $acc = _mm256_fmadd_ps(
+                        _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256($t, mask), one)),
+                        _mm256_loadu_ps($xg.add($j * 8)),
+                        $acc,
+                    );
+                };
+            }
+            step!(0, _mm256_slli_epi32::<19>(v));
+            step!(1, _mm256_slli_epi32::<15>(v));
+            step!(2, _mm256_slli_epi32::<11>(v));
+            step!(3, _mm256_slli_epi32::<7>(v));
+            step!(4, _mm256_slli_epi32::<3>(v));
+            step!(5, _mm256_srli_epi32::<1>(v));
+            step!(6, _mm256_srli_epi32::<5>(v));
+            step!(7, _mm256_srli_epi32::<9>(v));
+        }};
     }
 
     /// One output of a 4-bit product; `xp` is 16·x permuted by `prepare_x`.
@@ -149,18 +160,9 @@ mod avx2 {
             unsafe {
                 let v = _mm256_loadu_si256(words.as_ptr().add(g * 8) as *const __m256i);
                 let xg = xp.as_ptr().add(g * 64);
-                let f = nibbles_as_floats(v);
-                let mut a0 = _mm256_setzero_ps();
-                let mut a1 = _mm256_setzero_ps();
-                for j in (0..8).step_by(2) {
-                    a0 = _mm256_fmadd_ps(f[j], _mm256_loadu_ps(xg.add(j * 8)), a0);
-                    a1 = _mm256_fmadd_ps(f[j + 1], _mm256_loadu_ps(xg.add(j * 8 + 8)), a1);
-                }
-                total = _mm256_fmadd_ps(
-                    _mm256_add_ps(a0, a1),
-                    _mm256_set1_ps(scales[g].to_f32()),
-                    total,
-                );
+                let mut acc = _mm256_setzero_ps();
+                fma_nibbles!(acc, v, xg);
+                total = _mm256_fmadd_ps(acc, _mm256_set1_ps(scales[g].to_f32()), total);
             }
             bias_acc += (biases[g].to_f32() - 16.0 * scales[g].to_f32()) * sumx[g];
         }
@@ -193,30 +195,58 @@ mod avx2 {
             // [r*wpr + g*8, +8) and floats [g*64, +64).
             unsafe {
                 let xg = xp.as_ptr().add(g * 64);
-                // Two accumulators per row halve the FMA dependency chain, which (more than
-                // memory) bounds this loop: eight chains of four FMAs per group are in flight.
-                let mut acc = [[_mm256_setzero_ps(); 2]; 4];
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    // Prefetch well ahead: four rows are four streams, more than the hardware
-                    // prefetcher ramps up quickly on.
+                // One FMA chain per row: four independent chains of eight per group keep both
+                // FMA pipes busy without spilling accumulators out of the registers.
+                for r in 0..4 {
                     _mm_prefetch::<_MM_HINT_T0>(
                         words
                             .as_ptr()
                             .wrapping_add(r * wpr + g * 8 + PREFETCH_WORDS)
                             as *const i8,
                     );
-                    let v =
-                        _mm256_loadu_si256(words.as_ptr().add(r * wpr + g * 8) as *const __m256i);
-                    let f = nibbles_as_floats(v);
-                    for j in (0..8).step_by(2) {
-                        acc_r[0] = _mm256_fmadd_ps(f[j], _mm256_loadu_ps(xg.add(j * 8)), acc_r[0]);
-                        acc_r[1] =
-                            _mm256_fmadd_ps(f[j + 1], _mm256_loadu_ps(xg.add(j * 8 + 8)), acc_r[1]);
-                    }
                 }
+                let w = words.as_ptr().add(g * 8);
+                let v0 = _mm256_loadu_si256(w as *const __m256i);
+                let v1 = _mm256_loadu_si256(w.add(wpr) as *const __m256i);
+                let v2 = _mm256_loadu_si256(w.add(2 * wpr) as *const __m256i);
+                let v3 = _mm256_loadu_si256(w.add(3 * wpr) as *const __m256i);
+                let (mut a0, mut a1, mut a2, mut a3) = (
+                    _mm256_setzero_ps(),
+                    _mm256_setzero_ps(),
+                    _mm256_setzero_ps(),
+                    _mm256_setzero_ps(),
+                );
+                let mask = _mm256_set1_epi32(0x0078_0000);
+                let one = _mm256_set1_epi32(0x3F80_0000);
+                // Nibble j of every lane as the float 1 + q/16 (see fma_nibbles!), the four rows
+                // interleaved so their independent FMA chains overlap.
+                macro_rules! step {
+                    ($j:literal, $shift:ident, $n:literal) => {{
+                        let xv = _mm256_loadu_ps(xg.add($j * 8));
+                        let f = |v| {
+                            _mm256_castsi256_ps(_mm256_or_si256(
+                                _mm256_and_si256($shift::<$n>(v), mask),
+                                one,
+                            ))
+                        };
+                        a0 = _mm256_fmadd_ps(f(v0), xv, a0);
+                        a1 = _mm256_fmadd_ps(f(v1), xv, a1);
+                        a2 = _mm256_fmadd_ps(f(v2), xv, a2);
+                        a3 = _mm256_fmadd_ps(f(v3), xv, a3);
+                    }};
+                }
+                step!(0, _mm256_slli_epi32, 19);
+                step!(1, _mm256_slli_epi32, 15);
+                step!(2, _mm256_slli_epi32, 11);
+                step!(3, _mm256_slli_epi32, 7);
+                step!(4, _mm256_slli_epi32, 3);
+                step!(5, _mm256_srli_epi32, 1);
+                step!(6, _mm256_srli_epi32, 5);
+                step!(7, _mm256_srli_epi32, 9);
+                let acc = [a0, a1, a2, a3];
                 for r in 0..4 {
                     total[r] = _mm256_fmadd_ps(
-                        _mm256_add_ps(acc[r][0], acc[r][1]),
+                        acc[r],
                         _mm256_set1_ps(scales[r * groups + g].to_f32()),
                         total[r],
                     );
