@@ -6,7 +6,7 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::model::qwen3_5_moe::Qwen35Moe;
+use crate::model::qwen3_5_moe::{Logits, Qwen35Moe};
 use crate::model::state::DecodeState;
 
 /// Prompt tokens per prefill forward: bounds activation memory while keeping the products
@@ -82,17 +82,38 @@ impl<B: Backend> Engine<B> {
     /// Feeds `tokens` in chunks; returns the last token's logits `[1, vocab]` on the device.
     pub fn prefill(&self, tokens: &[u32], state: &mut DecodeState<B>) -> Result<B::Tensor> {
         self.check_tokens(tokens)?;
-        let mut last = None;
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
-            last = Some(self.model.forward(&self.backend, chunk, state, false)?);
+        let n_chunks = tokens.len().div_ceil(PREFILL_CHUNK);
+        let mut chunks = tokens.chunks(PREFILL_CHUNK);
+        for chunk in chunks.by_ref().take(n_chunks.saturating_sub(1)) {
+            self.model
+                .forward(&self.backend, chunk, state, Logits::None)?;
         }
-        last.ok_or_else(|| Error::invalid("the prompt is empty"))
+        let last = chunks
+            .next()
+            .ok_or_else(|| Error::invalid("the prompt is empty"))?;
+        self.logits_for(last, state)
+    }
+
+    /// Feeds `tokens` in chunks without computing any logits.
+    pub fn extend(&self, tokens: &[u32], state: &mut DecodeState<B>) -> Result<()> {
+        self.check_tokens(tokens)?;
+        for chunk in tokens.chunks(PREFILL_CHUNK) {
+            self.model
+                .forward(&self.backend, chunk, state, Logits::None)?;
+        }
+        Ok(())
     }
 
     /// Feeds one token; returns its logits `[1, vocab]` on the device.
     pub fn decode_step(&self, token: u32, state: &mut DecodeState<B>) -> Result<B::Tensor> {
         self.check_tokens(&[token])?;
-        self.model.forward(&self.backend, &[token], state, false)
+        self.logits_for(&[token], state)
+    }
+
+    fn logits_for(&self, tokens: &[u32], state: &mut DecodeState<B>) -> Result<B::Tensor> {
+        self.model
+            .forward(&self.backend, tokens, state, Logits::Last)?
+            .ok_or_else(|| Error::Backend("forward returned no logits".into()))
     }
 
     /// Greedy choice from a logits row.

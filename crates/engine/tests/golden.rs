@@ -174,8 +174,14 @@ fn every_prompt_position_matches_the_full_forward() {
         let mut state = eng.new_state(prompt.len()).expect("state");
         let all = eng
             .model
-            .forward(&eng.backend, &prompt, &mut state, true)
-            .expect("forward");
+            .forward(
+                &eng.backend,
+                &prompt,
+                &mut state,
+                engine::model::qwen3_5_moe::Logits::All,
+            )
+            .expect("forward")
+            .expect("all logits");
         // Every prompt position's top-5 logits (a no-cache full forward in mlx-lm).
         let vocab = eng.config().vocab_size;
         for (p, rec) in case["prefill_all_positions_top5"]

@@ -360,8 +360,23 @@ fn run_job<B: Backend>(
         let mut on_token =
             |tok: u32| events.send(GenEvent::Token(tok)).is_ok() && !cancel.load(Ordering::Relaxed);
         let suffix = &req.prompt[cached..];
+        // Also keep the state at the prompt minus its last token as an entry of its own, so a
+        // repeated or regenerated request, or a next turn that renders this answer differently
+        // (thinking history without reasoning_content), resumes from the whole prompt.
+        let t_snapshot = std::time::Instant::now();
+        let fed_before = if suffix.len() >= 2 {
+            let head = &suffix[..suffix.len() - 1];
+            eng.extend(head, &mut state)?;
+            let snapshot = state.snapshot(&eng.backend)?;
+            let prompt_head = req.prompt[..req.prompt.len() - 1].to_vec();
+            cache.release(prompt_head, snapshot, req.cache_key.clone(), &eng.backend);
+            head.len()
+        } else {
+            0
+        };
+        let head_secs = t_snapshot.elapsed().as_secs_f64();
         let result = eng.generate(
-            suffix,
+            &suffix[fed_before..],
             req.max_tokens,
             &info.stop_ids,
             &mut state,
@@ -388,7 +403,7 @@ fn run_job<B: Backend>(
             prefilled_tokens: suffix.len(),
             completion_tokens: g.tokens.len(),
             queue_ms,
-            prefill_ms: g.prefill_secs * 1e3,
+            prefill_ms: (head_secs + g.prefill_secs) * 1e3,
             decode_ms: g.decode_secs * 1e3,
         })
     })();
@@ -401,5 +416,73 @@ fn run_job<B: Backend>(
             tracing::warn!("generation failed: {e}");
             let _ = events.send(GenEvent::Error(e.to_string()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn collect(stream: &mut GenStream) -> (usize, Vec<u32>, GenSummary) {
+        let mut cached = usize::MAX;
+        let mut tokens = Vec::new();
+        loop {
+            match stream.events.blocking_recv() {
+                Some(GenEvent::Started { cached_tokens, .. }) => cached = cached_tokens,
+                Some(GenEvent::Token(t)) => tokens.push(t),
+                Some(GenEvent::Done(s)) => return (cached, tokens, s),
+                Some(GenEvent::Error(e)) => panic!("generation failed: {e}"),
+                None => panic!("the engine dropped the stream"),
+            }
+        }
+    }
+
+    #[test]
+    fn repeated_and_continued_prompts_resume_from_the_cache_with_identical_tokens() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tiny-qwen3_5_moe");
+        let cfg = SchedulerConfig {
+            model_dir: dir,
+            max_seq: 256,
+            queue: 4,
+            cache_bytes: 1 << 30,
+            threads: 2,
+        };
+        let (sched, _engine) = Scheduler::start(cfg, Arc::new(Metrics::default()));
+        while matches!(sched.status(), EngineStatus::Loading) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(
+            matches!(sched.status(), EngineStatus::Ready),
+            "{:?}",
+            sched.status()
+        );
+        let prompt: Vec<u32> = vec![
+            248045, 846, 198, 12675, 1017, 0, 248046, 198, 248045, 74455, 198,
+        ];
+        let req = |p: &[u32]| GenRequest {
+            prompt: p.to_vec(),
+            max_tokens: 6,
+            sampling: SamplingParams::greedy(),
+            cache_key: None,
+        };
+
+        let (cached, first, s1) = collect(&mut sched.submit(req(&prompt)).expect("submit"));
+        assert_eq!((cached, s1.prefilled_tokens), (0, prompt.len()));
+        // The same request again: everything but the last prompt token comes from the cache,
+        // and greedy decoding from the restored state gives the same tokens.
+        let (cached, again, _) = collect(&mut sched.submit(req(&prompt)).expect("submit"));
+        assert_eq!(cached, prompt.len() - 1);
+        assert_eq!(again, first);
+        // A continuation of prompt + answer resumes after the fed answer tokens.
+        let mut next = prompt.clone();
+        next.extend_from_slice(&first);
+        next.extend_from_slice(&[198, 248045, 846]);
+        let (cached, _, _) = collect(&mut sched.submit(req(&next)).expect("submit"));
+        assert_eq!(
+            cached,
+            prompt.len() + first.len() - 1,
+            "all but the last (unfed) answer token"
+        );
     }
 }

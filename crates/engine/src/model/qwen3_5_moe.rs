@@ -66,6 +66,17 @@ pub struct Layer<B: Backend> {
     pub moe: MoeWeights<B>,
 }
 
+/// Which logits a forward pass computes (the lm_head is the largest single product).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// None: the tokens only extend the state (prefill chunks before the last).
+    None,
+    /// The last token's row.
+    Last,
+    /// Every token's row (tests compare every prompt position).
+    All,
+}
+
 pub struct Qwen35Moe<B: Backend> {
     pub cfg: ModelConfig,
     pub gdn_shape: GdnShape,
@@ -178,15 +189,15 @@ impl<B: Backend> Qwen35Moe<B> {
         })
     }
 
-    /// Runs `tokens` through the model from `state.pos`, advancing the state. Returns the
-    /// logits of the last token `[1, vocab]`, or of every token when `all_logits`.
+    /// Runs `tokens` through the model from `state.pos`, advancing the state, and returns the
+    /// logits that `want` asks for (`[1, vocab]` for the last token, `[T, vocab]` for all).
     pub fn forward(
         &self,
         b: &B,
         tokens: &[u32],
         state: &mut DecodeState<B>,
-        all_logits: bool,
-    ) -> Result<B::Tensor> {
+        want: Logits,
+    ) -> Result<Option<B::Tensor>> {
         if tokens.is_empty() {
             return Err(Error::invalid("forward needs at least one token"));
         }
@@ -218,9 +229,13 @@ impl<B: Backend> Qwen35Moe<B> {
             b.add_assign(&mut x, &moe)?;
         }
         state.pos += tokens.len();
-        let x = if all_logits { x } else { b.last_row(&x)? };
+        let x = match want {
+            Logits::None => return Ok(None),
+            Logits::Last => b.last_row(&x)?,
+            Logits::All => x,
+        };
         let h = b.rms_norm(&x, &self.final_norm, eps)?;
-        b.qmatmul(&h, &self.lm_head)
+        b.qmatmul(&h, &self.lm_head).map(Some)
     }
 
     fn gdn(
