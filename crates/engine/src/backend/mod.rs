@@ -5,6 +5,7 @@
 //! that the fast implementations are tested against.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::checkpoint::QWeight;
 use crate::error::Result;
