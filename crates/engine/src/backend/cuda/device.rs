@@ -1,0 +1,89 @@
+//! One CUDA device: its context and stream, and the kernel modules compiled for its
+//! architecture (through nvrtc.rs's disk cache).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::Ptx;
+
+use super::nvrtc;
+use crate::error::{Error, Result};
+
+pub struct CudaDevice {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// NVRTC target, e.g. `sm_90a`.
+    pub arch: String,
+    pub name: String,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Backend(format!("{what}: {e:?}"))
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`, or says why no GPU is usable (no driver, no device, no NVRTC).
+    pub fn open(ordinal: usize) -> Result<CudaDevice> {
+        // SAFETY: probing with dlopen has no side effects beyond loading the library.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::Backend("no CUDA driver (libcuda.so) found".into()));
+        }
+        nvrtc::load()?;
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("creating a CUDA context"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver_err("reading the compute capability"))?;
+        if major < 8 {
+            return Err(Error::Backend(format!(
+                "GPU compute capability {major}.{minor} is below 8.0, the oldest lily supports"
+            )));
+        }
+        // Hopper's own instructions (wgmma, setmaxnreg) need the arch-specific target.
+        let arch = if (major, minor) == (9, 0) {
+            "sm_90a".to_string()
+        } else {
+            format!("sm_{major}{minor}")
+        };
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let stream = ctx.default_stream();
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            arch,
+            name,
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Kernel `function` of family `family` (a file in kernels/), compiled on first use.
+    pub fn function(&self, family: &'static str, function: &str) -> Result<CudaFunction> {
+        let module = {
+            let mut modules = self
+                .modules
+                .lock()
+                .map_err(|_| Error::Backend("module cache lock poisoned".into()))?;
+            match modules.get(family) {
+                Some(m) => m.clone(),
+                None => {
+                    let source = nvrtc::KERNELS
+                        .iter()
+                        .find(|(n, _)| *n == family)
+                        .map(|(_, s)| *s)
+                        .ok_or_else(|| Error::Backend(format!("no kernel family {family}")))?;
+                    let image = nvrtc::cubin_cached(family, source, &self.arch)?;
+                    let m = self
+                        .ctx
+                        .load_module(Ptx::from_binary(image))
+                        .map_err(driver_err("loading a kernel module"))?;
+                    modules.insert(family, m.clone());
+                    m
+                }
+            }
+        };
+        module
+            .load_function(function)
+            .map_err(driver_err("finding a kernel"))
+    }
+}
