@@ -78,10 +78,12 @@ fn gpu_gemv(dev: &CudaDevice, w: &QWeight, x: &[f32], reps: usize) -> (Vec<f32>,
         .expect("kernel");
     let (rows, cols) = (w.rows as i32, w.cols as i32);
     let threads = 256u32;
+    // 8 warps per block, 4 rows per warp (ROWS_PER_WARP); x staged in shared memory.
+    let rows_per_block = (threads / 32) * 4;
     let cfg = LaunchConfig {
-        grid_dim: ((w.rows as u32 * 32).div_ceil(threads), 1, 1),
+        grid_dim: ((w.rows as u32).div_ceil(rows_per_block), 1, 1),
         block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: 4 * w.cols as u32,
     };
     let mut times = Vec::new();
     for _ in 0..reps.max(1) {

@@ -16,55 +16,59 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// One warp per output row. Each lane loads 16 bytes of codes at a time (4 words: 32 codes at
-// 4 bits, 16 at 8 bits, always inside one group of 64), so a warp reads 512 contiguous bytes per
-// step, and unrolling keeps two such loads in flight. x (a few KB) is read as float4 through the
-// read-only cache. y[r] = sum_c w[r][c] * x[c]. Rows start 16-byte aligned because every row
-// holds a multiple of 64 codes.
+// ROWS_PER_WARP rows per warp, 8 warps per block. x is staged once per block in shared memory,
+// transposed so that xs[j][w] = x[w * PER_WORD + j]: at each step lane l takes word w = step*32 + l
+// of its rows (a warp reads 128 contiguous bytes per row) and reads its x values from consecutive
+// shared-memory words (no bank conflicts). Each x value read serves ROWS_PER_WARP rows.
+// y[r] = sum_c w[r][c] * x[c]. Dynamic shared memory: cols floats.
+constexpr int ROWS_PER_WARP = 4;
+
 template <int BITS>
 __device__ __forceinline__ void qgemv_f32(const u32* __restrict__ codes, const u16* __restrict__ scales,
                                           const u16* __restrict__ biases, const float* __restrict__ x,
                                           float* __restrict__ y, int rows, int cols) {
     constexpr int PER_WORD = 32 / BITS;
-    constexpr int PER_VEC = 4 * PER_WORD;
     constexpr u32 MASK = (1u << BITS) - 1u;
-    const int row = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    extern __shared__ float xs[];
+    const int words = cols / PER_WORD;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) xs[(c % PER_WORD) * words + c / PER_WORD] = x[c];
+    __syncthreads();
     const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    const int vecs = cols / PER_VEC;
+    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS_PER_WARP;
+    if (row0 >= rows) return;
     const int groups = cols >> 6;
-    const uint4* wr = reinterpret_cast<const uint4*>(codes + (size_t)row * (cols / PER_WORD));
-    const u16* sr = scales + (size_t)row * groups;
-    const u16* br = biases + (size_t)row * groups;
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    float acc = 0.f;
-#pragma unroll 2
-    for (int v = lane; v < vecs; v += 32) {
-        const uint4 w4 = __ldg(wr + v);
-        const int c0 = v * PER_VEC;
-        const int g = c0 >> 6;
-        const u32 ws[4] = {w4.x, w4.y, w4.z, w4.w};
-        float dot = 0.f, sx = 0.f;
+    float acc[ROWS_PER_WARP] = {};
+    for (int w = lane; w < words; w += 32) {
+        float xv[PER_WORD];
+        float sx = 0.f;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
+        for (int j = 0; j < PER_WORD; ++j) {
+            xv[j] = xs[j * words + w];
+            sx += xv[j];
+        }
+        const int g = (w * PER_WORD) >> 6;
 #pragma unroll
-            for (int j4 = 0; j4 < PER_WORD; j4 += 4) {
-                const float4 xv = __ldg(x4 + ((c0 + k * PER_WORD + j4) >> 2));
-                const float xs[4] = {xv.x, xv.y, xv.z, xv.w};
+        for (int r = 0; r < ROWS_PER_WARP; ++r) {
+            const int row = row0 + r;
+            if (row < rows) {
+                const u32 q = __ldg(codes + (size_t)row * words + w);
+                float dot = 0.f;
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    dot = fmaf((float)((ws[k] >> (BITS * (j4 + j))) & MASK), xs[j], dot);
-                    sx += xs[j];
-                }
+                for (int j = 0; j < PER_WORD; ++j) dot = fmaf((float)((q >> (BITS * j)) & MASK), xv[j], dot);
+                const size_t gi = (size_t)row * groups + g;
+                acc[r] = fmaf(bf16_to_f32(__ldg(scales + gi)), dot, fmaf(bf16_to_f32(__ldg(biases + gi)), sx, acc[r]));
             }
         }
-        acc = fmaf(bf16_to_f32(__ldg(sr + g)), dot, fmaf(bf16_to_f32(__ldg(br + g)), sx, acc));
     }
-    acc = warp_sum(acc);
-    if (lane == 0) y[row] = acc;
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == 0 && row0 + r < rows) y[row0 + r] = v;
+    }
 }
 
-// 4-bit: every projection, the experts and lm_head.
+// 4-bit: every projection, the experts and lm_head. Launch with 256 threads, ceil(rows / 32)
+// blocks and cols * 4 bytes of dynamic shared memory.
 extern "C" __global__ void q4_gemv_f32(const u32* codes, const u16* scales, const u16* biases,
                                        const float* x, float* y, int rows, int cols) {
     qgemv_f32<4>(codes, scales, biases, x, y, rows, cols);
