@@ -17,10 +17,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ROWS_PER_WARP rows per warp, 8 warps per block. x is staged once per block in shared memory,
-// transposed so that xs[j][w] = x[w * PER_WORD + j]: at each step lane l takes word w = step*32 + l
-// of its rows (a warp reads 128 contiguous bytes per row) and reads its x values from consecutive
-// shared-memory words (no bank conflicts). Each x value read serves ROWS_PER_WARP rows.
-// y[r] = sum_c w[r][c] * x[c]. Dynamic shared memory: cols floats.
+// transposed so that xs[j][w] = x[w * PER_WORD + j]. At each step lane l takes the four words
+// 4v..4v+3 (v = step*32 + l) of each of its rows as one 16-byte load (a warp reads 512 contiguous
+// bytes per row) and their x values as float4 reads of consecutive shared-memory words (no bank
+// conflicts). Each x value read serves ROWS_PER_WARP rows. y[r] = sum_c w[r][c] * x[c].
+// Dynamic shared memory: cols floats. Needs cols to be a multiple of 64 (every MLX tensor's is).
 constexpr int ROWS_PER_WARP = 4;
 
 template <int BITS>
@@ -37,24 +38,31 @@ __device__ __forceinline__ void qgemv_f32(const u32* __restrict__ codes, const u
     const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS_PER_WARP;
     if (row0 >= rows) return;
     const int groups = cols >> 6;
+    const int vecs = words >> 2;
     float acc[ROWS_PER_WARP] = {};
-    for (int w = lane; w < words; w += 32) {
-        float xv[PER_WORD];
+    for (int v = lane; v < vecs; v += 32) {
+        float4 xv[PER_WORD];
         float sx = 0.f;
 #pragma unroll
         for (int j = 0; j < PER_WORD; ++j) {
-            xv[j] = xs[j * words + w];
-            sx += xv[j];
+            xv[j] = reinterpret_cast<const float4*>(xs + j * words)[v];
+            sx += (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
         }
-        const int g = (w * PER_WORD) >> 6;
+        const int g = (v * 4 * PER_WORD) >> 6;
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) {
             const int row = row0 + r;
             if (row < rows) {
-                const u32 q = __ldg(codes + (size_t)row * words + w);
+                const uint4 q = __ldg(reinterpret_cast<const uint4*>(codes + (size_t)row * words) + v);
                 float dot = 0.f;
 #pragma unroll
-                for (int j = 0; j < PER_WORD; ++j) dot = fmaf((float)((q >> (BITS * j)) & MASK), xv[j], dot);
+                for (int j = 0; j < PER_WORD; ++j) {
+                    const int sh = BITS * j;
+                    dot = fmaf((float)((q.x >> sh) & MASK), xv[j].x, dot);
+                    dot = fmaf((float)((q.y >> sh) & MASK), xv[j].y, dot);
+                    dot = fmaf((float)((q.z >> sh) & MASK), xv[j].z, dot);
+                    dot = fmaf((float)((q.w >> sh) & MASK), xv[j].w, dot);
+                }
                 const size_t gi = (size_t)row * groups + g;
                 acc[r] = fmaf(bf16_to_f32(__ldg(scales + gi)), dot, fmaf(bf16_to_f32(__ldg(biases + gi)), sx, acc[r]));
             }
