@@ -2,61 +2,23 @@
 //! inputs, at the model's shapes and at awkward ones. Errors are normalised (NMSE, as
 //! llama.cpp's test-backend-ops does) or absolute where values are O(1).
 
+use common::{nmse, qweight, randn};
 use engine::backend::cpu::reference as r;
 use engine::backend::cpu::{CpuBackend, CpuTensor};
 use engine::backend::{AttnShape, Backend, GdnShape};
 use engine::checkpoint::{HostSlice, QWeight};
 use half::bf16;
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+
+mod common;
 
 fn backend() -> CpuBackend {
     CpuBackend::new(2).expect("thread pool")
 }
 
-fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale)
-        .collect()
-}
-
-fn qweight(rng: &mut StdRng, rows: usize, cols: usize, bits: u32) -> QWeight {
-    let words = rows * cols * bits as usize / 32;
-    let groups = rows * cols / 64;
-    QWeight {
-        name: format!("random[{rows}x{cols}]q{bits}"),
-        codes: HostSlice::from_vec((0..words).map(|_| rng.random::<u32>()).collect()),
-        scales: HostSlice::from_vec(
-            (0..groups)
-                .map(|_| bf16::from_f32(rng.random::<f32>() * 0.02 + 0.001))
-                .collect(),
-        ),
-        biases: HostSlice::from_vec(
-            (0..groups)
-                .map(|_| bf16::from_f32(-rng.random::<f32>() * 0.1))
-                .collect(),
-        ),
-        rows,
-        cols,
-        bits,
-        group_size: 64,
-    }
-}
-
 fn tensor(b: &CpuBackend, data: Vec<f32>, rows: usize, cols: usize) -> CpuTensor {
     b.upload_tensor(&data, rows, cols).expect("upload")
-}
-
-/// Normalised mean squared error: sum((a-e)^2) / sum(e^2).
-fn nmse(a: &[f32], e: &[f32]) -> f64 {
-    assert_eq!(a.len(), e.len(), "length mismatch");
-    let num: f64 = a.iter().zip(e).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = e
-        .iter()
-        .map(|y| (*y as f64).powi(2))
-        .sum::<f64>()
-        .max(1e-30);
-    num / den
 }
 
 fn assert_nmse(what: &str, a: &[f32], e: &[f32], tol: f64) {

@@ -3,13 +3,16 @@
 
 use std::io::Write;
 
+use common::{nmse, qweight};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use engine::backend::cpu::reference as r;
 use engine::backend::cuda::device::CudaDevice;
-use engine::checkpoint::{HostSlice, QWeight};
+use engine::checkpoint::QWeight;
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+mod common;
 
 fn device_or_skip(test: &str) -> Option<CudaDevice> {
     match CudaDevice::open(0) {
@@ -19,41 +22,6 @@ fn device_or_skip(test: &str) -> Option<CudaDevice> {
             None
         }
     }
-}
-
-fn qweight(rng: &mut StdRng, rows: usize, cols: usize, bits: u32) -> QWeight {
-    let groups = rows * cols / 64;
-    QWeight {
-        name: format!("random[{rows}x{cols}]q{bits}"),
-        codes: HostSlice::from_vec(
-            (0..rows * cols * bits as usize / 32)
-                .map(|_| rng.random::<u32>())
-                .collect(),
-        ),
-        scales: HostSlice::from_vec(
-            (0..groups)
-                .map(|_| bf16::from_f32(rng.random::<f32>() * 0.02 + 0.001))
-                .collect(),
-        ),
-        biases: HostSlice::from_vec(
-            (0..groups)
-                .map(|_| bf16::from_f32(-rng.random::<f32>() * 0.1))
-                .collect(),
-        ),
-        rows,
-        cols,
-        bits,
-        group_size: 64,
-    }
-}
-
-fn nmse(a: &[f32], e: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(e).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    num / e
-        .iter()
-        .map(|y| (*y as f64).powi(2))
-        .sum::<f64>()
-        .max(1e-30)
 }
 
 /// y = w x on the GPU with the q4/q8 GEMV kernel; returns y and the kernel time in ms

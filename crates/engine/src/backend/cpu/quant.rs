@@ -415,9 +415,12 @@ pub fn qmatmul_rows(
                     let r0 = rows.start + ci * ROWS_PER_TASK;
                     let mut j = 0;
                     while j < chunk.len() {
-                        if let Some(four) =
-                            dot4_rows(simd, w, r0 + j, &prep).filter(|_| j + 4 <= chunk.len())
-                        {
+                        let four = if j + 4 <= chunk.len() {
+                            dot4_rows(simd, w, r0 + j, &prep)
+                        } else {
+                            None
+                        };
+                        if let Some(four) = four {
                             chunk[j..j + 4].copy_from_slice(&four);
                             j += 4;
                         } else {
