@@ -32,13 +32,16 @@ import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_DIR = ROOT / "tests" / "fixtures" / "tiny-qwen3_5_moe"
+# LILY_TEST_MODEL and LILY_TEST_DEVICE run the same tests on another checkpoint and device (the
+# GPU machine runs them with --device cuda on the tiny fixture and on the synthetic 35B).
+MODEL_DIR = Path(os.environ.get("LILY_TEST_MODEL", str(ROOT / "tests" / "fixtures" / "tiny-qwen3_5_moe")))
+DEVICE = os.environ.get("LILY_TEST_DEVICE", "cpu")
 MODEL_ID = MODEL_DIR.name  # the served id: the model directory's name
 LILY_BIN = Path(os.environ.get("LILY_BIN", str(ROOT / "target" / "release" / "lily")))
 if not LILY_BIN.is_absolute():
     LILY_BIN = ROOT / LILY_BIN
 MAX_SEQ = 256
-STARTUP_TIMEOUT_S = 90.0
+STARTUP_TIMEOUT_S = float(os.environ.get("LILY_TEST_STARTUP_S", "90"))
 SHUTDOWN_TIMEOUT_S = 20.0
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -86,7 +89,7 @@ class Server:
         self.log_path = log_dir / f"lily-{name}.log"
         self.args = [
             str(LILY_BIN), "serve", "--model", str(MODEL_DIR), "--bind", f"127.0.0.1:{self.port}",
-            "--max-seq", str(max_seq), "--device", "cpu", *extra_args,
+            "--max-seq", str(max_seq), "--device", DEVICE, *extra_args,
         ]
         self._log = open(self.log_path, "wb")
         env = {k: v for k, v in os.environ.items() if k != "LILY_API_KEY"}  # only --api-key sets a key
@@ -919,8 +922,11 @@ def test_api_key(log_dir):
 def test_sigterm_drains_in_flight_and_exits_zero(log_dir):
     """SIGTERM while one request streams and another waits in the queue: both finish, new
     requests are refused, an idle keep-alive connection does not hold the exit up, exit 0."""
-    srv = Server(log_dir, "sigterm", [])
-    n = 64
+    # The stream must still be running when the second request arrives: a GPU generates the
+    # tiny model's 64 tokens in well under the time the test needs to queue one.
+    on_cpu = DEVICE == "cpu"
+    srv = Server(log_dir, "sigterm", [], max_seq=MAX_SEQ if on_cpu else 2048)
+    n = 64 if on_cpu else 1800
     queued: dict = {}
     try:
         srv.wait_ready()

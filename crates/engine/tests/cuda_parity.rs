@@ -1,12 +1,17 @@
 //! CUDA kernels against the CPU reference on random inputs (NMSE, as llama.cpp's
-//! test-backend-ops does). Needs a GPU: without one each test prints SKIPPED and why.
+//! test-backend-ops does): every op of the backend interface, at the model's shapes and awkward
+//! ones, run on both backends from the same inputs. Needs a GPU: without one each test prints
+//! SKIPPED and why. (End to end on the tiny fixtures: tests/golden.rs.)
 
 use std::io::Write;
 
-use common::{nmse, qweight};
+use common::{nmse, qweight, randn};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+use engine::backend::cpu::CpuBackend;
 use engine::backend::cpu::reference as r;
+use engine::backend::cuda::CudaBackend;
 use engine::backend::cuda::device::CudaDevice;
+use engine::backend::{AttnShape, Backend, GdnShape};
 use engine::checkpoint::QWeight;
 use half::bf16;
 use rand::rngs::StdRng;
@@ -76,6 +81,483 @@ fn gpu_gemv(dev: &CudaDevice, w: &QWeight, x: &[f32], reps: usize) -> (Vec<f32>,
     }
     times.sort_by(|a, b| a.total_cmp(b));
     (s.clone_dtoh(&y).expect("download"), times[times.len() / 2])
+}
+
+/// Largest normalised error accepted between the two backends: both compute in f32, so only
+/// summation order differs.
+const TOL: f64 = 1e-9;
+
+fn backends_or_skip(test: &str) -> Option<(CpuBackend, CudaBackend)> {
+    match CudaBackend::new(0) {
+        Ok(g) => Some((CpuBackend::new(0).expect("cpu pool"), g)),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no usable GPU ({e})");
+            None
+        }
+    }
+}
+
+fn close(what: &str, got: &[f32], want: &[f32]) {
+    let err = nmse(got, want);
+    assert!(err < TOL, "{what}: nmse {err:e} (tolerance {TOL:e})");
+    let _ = writeln!(std::io::stderr(), "{what}: nmse {err:.1e}");
+}
+
+fn up<B: Backend>(b: &B, data: &[f32], rows: usize, cols: usize) -> B::Tensor {
+    b.upload_tensor(data, rows, cols).expect("upload")
+}
+
+fn down<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
+    b.download(t).expect("download")
+}
+
+fn clone_q(w: &QWeight) -> QWeight {
+    QWeight {
+        name: w.name.clone(),
+        codes: engine::checkpoint::HostSlice::from_vec(w.codes.to_vec()),
+        scales: engine::checkpoint::HostSlice::from_vec(w.scales.to_vec()),
+        biases: engine::checkpoint::HostSlice::from_vec(w.biases.to_vec()),
+        ..*w
+    }
+}
+
+fn qmatmul_on<B: Backend>(b: &B, w: &QWeight, x: &[f32], t: usize) -> Vec<f32> {
+    let wq = b.upload_qmatrix(clone_q(w)).expect("weights");
+    let y = b.qmatmul(&up(b, x, t, w.cols), &wq).expect("qmatmul");
+    down(b, &y)
+}
+
+#[test]
+fn every_quantized_product_matches() {
+    let Some((cpu, gpu)) = backends_or_skip("every_quantized_product_matches") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(21);
+    for bits in [4, 8] {
+        for (rows, cols) in [(1, 64), (65, 192), (257, 2048), (1000, 512), (96, 4096)] {
+            let w = qweight(&mut rng, rows, cols, bits);
+            // One token (decode), a few (the per-token path), and enough for the tiled path.
+            for t in [1, 3, 8, 67] {
+                let x = randn(&mut rng, t * cols, 1.0);
+                close(
+                    &format!("qmatmul q{bits} {rows}x{cols} T={t}"),
+                    &qmatmul_on(&gpu, &w, &x, t),
+                    &qmatmul_on(&cpu, &w, &x, t),
+                );
+            }
+        }
+    }
+}
+
+fn embed_on<B: Backend>(b: &B, w: &QWeight, tokens: &[u32]) -> Vec<f32> {
+    let wq = b.upload_qmatrix(clone_q(w)).expect("table");
+    down(b, &b.embed(&wq, tokens).expect("embed"))
+}
+
+#[test]
+fn embedding_gather_matches_and_rejects_bad_ids() {
+    let Some((cpu, gpu)) = backends_or_skip("embedding_gather_matches_and_rejects_bad_ids") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(22);
+    for bits in [4, 8] {
+        let w = qweight(&mut rng, 1000, 256, bits);
+        let tokens = [0, 999, 5, 5, 517];
+        close(
+            &format!("embed q{bits}"),
+            &embed_on(&gpu, &w, &tokens),
+            &embed_on(&cpu, &w, &tokens),
+        );
+        let wq = gpu.upload_qmatrix(clone_q(&w)).expect("table");
+        assert!(gpu.embed(&wq, &[1000]).is_err(), "id past the vocabulary");
+    }
+}
+
+fn norms_on<B: Backend>(
+    b: &B,
+    x: &[f32],
+    z: &[f32],
+    w: &[f32],
+    t: usize,
+    cols: usize,
+    dim: usize,
+) -> Vec<Vec<f32>> {
+    let xt = up(b, x, t, cols);
+    let zt = up(b, z, t, cols);
+    let wrow = b.upload_vector(&w[..cols]).expect("w");
+    let whead = b.upload_vector(&w[..dim]).expect("w");
+    vec![
+        down(b, &b.rms_norm(&xt, &wrow, 1e-6).expect("rms")),
+        down(
+            b,
+            &b.head_rms_norm(&xt, &whead, dim, 1e-6).expect("head rms"),
+        ),
+        down(
+            b,
+            &b.gated_rms_norm(&xt, &zt, &whead, dim, 1e-6)
+                .expect("gated rms"),
+        ),
+    ]
+}
+
+#[test]
+fn norms_match() {
+    let Some((cpu, gpu)) = backends_or_skip("norms_match") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(23);
+    for (t, cols, dim) in [(1, 2048, 128), (3, 4096, 256), (5, 64, 32), (2, 4096, 128)] {
+        let x = randn(&mut rng, t * cols, 2.0);
+        let z = randn(&mut rng, t * cols, 3.0);
+        let w = randn(&mut rng, cols, 1.5);
+        let g = norms_on(&gpu, &x, &z, &w, t, cols, dim);
+        let c = norms_on(&cpu, &x, &z, &w, t, cols, dim);
+        for (name, (a, b)) in ["rms_norm", "head_rms_norm", "gated_rms_norm"]
+            .iter()
+            .zip(g.iter().zip(&c))
+        {
+            close(&format!("{name} T={t} cols={cols} dim={dim}"), a, b);
+        }
+    }
+}
+
+fn elementwise_on<B: Backend>(
+    b: &B,
+    x: &[f32],
+    y: &[f32],
+    gl: &[f32],
+    t: usize,
+    cols: usize,
+) -> Vec<Vec<f32>> {
+    let xt = up(b, x, t, cols);
+    let yt = up(b, y, t, cols);
+    let mut sum = up(b, x, t, cols);
+    b.add_assign(&mut sum, &yt).expect("add");
+    let mut gated = up(b, x, t, cols);
+    b.add_sigmoid_gated(&mut gated, &yt, &up(b, gl, t, 1))
+        .expect("gated add");
+    let (q, g) = b.split_q_gate(&xt, cols / 64, 32).expect("split");
+    vec![
+        down(b, &sum),
+        down(b, &b.swiglu(&xt, &yt).expect("swiglu")),
+        down(b, &b.sigmoid_mul(&xt, &yt).expect("sigmoid_mul")),
+        down(b, &gated),
+        down(b, &q),
+        down(b, &g),
+        down(b, &b.last_row(&xt).expect("last row")),
+    ]
+}
+
+#[test]
+fn elementwise_ops_match() {
+    let Some((cpu, gpu)) = backends_or_skip("elementwise_ops_match") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(24);
+    for (t, cols) in [(1, 2048), (7, 512), (3, 64)] {
+        let x = randn(&mut rng, t * cols, 4.0);
+        let y = randn(&mut rng, t * cols, 4.0);
+        let gl = randn(&mut rng, t, 4.0);
+        let g = elementwise_on(&gpu, &x, &y, &gl, t, cols);
+        let c = elementwise_on(&cpu, &x, &y, &gl, t, cols);
+        let names = [
+            "add",
+            "swiglu",
+            "sigmoid_mul",
+            "add_sigmoid_gated",
+            "split q",
+            "split gate",
+            "last_row",
+        ];
+        for (name, (a, b)) in names.iter().zip(g.iter().zip(&c)) {
+            close(&format!("{name} T={t} cols={cols}"), a, b);
+        }
+    }
+}
+
+#[test]
+fn argmax_takes_the_first_maximum_and_skips_nan() {
+    let Some((cpu, gpu)) = backends_or_skip("argmax_takes_the_first_maximum_and_skips_nan") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(25);
+    let cols = 248_320;
+    let mut x = randn(&mut rng, 4 * cols, 10.0);
+    x[7] = 50.0; // row 0: a tie between 7 and 200_000 goes to 7
+    x[200_000] = 50.0;
+    x[cols] = f32::NAN; // row 1: NaN never wins
+    x[cols + 3] = f32::NAN;
+    x[cols + 100_000] = 99.0;
+    x[2 * cols..3 * cols].fill(f32::NEG_INFINITY); // row 2: all -inf: the first
+    x[3 * cols + cols - 1] = 77.0; // row 3: the last column
+    let want = cpu.argmax_rows(&up(&cpu, &x, 4, cols)).expect("cpu");
+    let got = gpu.argmax_rows(&up(&gpu, &x, 4, cols)).expect("gpu");
+    assert_eq!(want, vec![7, 100_000, 0, (cols - 1) as u32]);
+    assert_eq!(got, want);
+}
+
+const GDN_SHAPES: [GdnShape; 2] = [
+    // Qwen3.6-35B-A3B
+    GdnShape {
+        key_heads: 16,
+        value_heads: 32,
+        key_dim: 128,
+        value_dim: 128,
+        conv_kernel: 4,
+    },
+    // tiny-alt: three value heads per key head
+    GdnShape {
+        key_heads: 2,
+        value_heads: 6,
+        key_dim: 128,
+        value_dim: 128,
+        conv_kernel: 4,
+    },
+];
+
+/// conv + recurrence over chunks of `lens` tokens from a fresh state; returns every output,
+/// then the final window and state.
+#[allow(clippy::type_complexity)]
+fn gdn_on<B: Backend>(
+    b: &B,
+    sh: &GdnShape,
+    inputs: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+    params: &(Vec<f32>, Vec<f32>, Vec<f32>),
+    state_out: impl Fn(&B, &B::GdnState) -> (Vec<f32>, Vec<f32>),
+) -> Vec<Vec<f32>> {
+    let c = sh.conv_channels();
+    let hv = sh.value_heads;
+    let mut st = b.new_gdn_state(sh).expect("state");
+    let conv = b.upload_vector(&params.0).expect("conv");
+    let a_log = b.upload_vector(&params.1).expect("a_log");
+    let dt_bias = b.upload_vector(&params.2).expect("dt_bias");
+    let mut outs = Vec::new();
+    for (x, a, bb) in inputs {
+        let t = x.len() / c;
+        let qkv = b
+            .conv1d_silu(&up(b, x, t, c), &conv, &mut st, sh)
+            .expect("conv");
+        outs.push(down(b, &qkv));
+        let y = b
+            .gdn_recurrence(
+                &qkv,
+                &up(b, a, t, hv),
+                &up(b, bb, t, hv),
+                &a_log,
+                &dt_bias,
+                &mut st,
+                sh,
+            )
+            .expect("gdn");
+        outs.push(down(b, &y));
+    }
+    let (w, s) = state_out(b, &st);
+    outs.push(w);
+    outs.push(s);
+    outs
+}
+
+#[test]
+fn gated_delta_net_matches_over_chunks() {
+    let Some((cpu, gpu)) = backends_or_skip("gated_delta_net_matches_over_chunks") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(26);
+    for sh in &GDN_SHAPES {
+        let (c, hv) = (sh.conv_channels(), sh.value_heads);
+        let params = (
+            randn(&mut rng, sh.conv_kernel * c, 0.5),
+            randn(&mut rng, hv, 1.0),
+            randn(&mut rng, hv, 1.0),
+        );
+        // A prefill chunk, then decode steps continuing the same state.
+        let inputs: Vec<_> = [9, 1, 1, 4]
+            .iter()
+            .map(|&t| {
+                (
+                    randn(&mut rng, t * c, 2.0),
+                    randn(&mut rng, t * hv, 3.0),
+                    randn(&mut rng, t * hv, 3.0),
+                )
+            })
+            .collect();
+        let g = gdn_on(&gpu, sh, &inputs, &params, |b, s| {
+            let st = &b.device().stream;
+            (
+                st.clone_dtoh(&s.window).expect("w"),
+                st.clone_dtoh(&s.state).expect("s"),
+            )
+        });
+        let c = gdn_on(&cpu, sh, &inputs, &params, |_, s| {
+            (s.window.clone(), s.state.clone())
+        });
+        for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+            let what = match (i / 2, i % 2) {
+                (k, 0) if k < inputs.len() => format!("conv chunk {k}"),
+                (k, 1) if k < inputs.len() => format!("gdn chunk {k}"),
+                (_, 0) => "conv window".into(),
+                _ => "recurrent state".into(),
+            };
+            close(
+                &format!("{what} (Hk {} Hv {})", sh.key_heads, sh.value_heads),
+                a,
+                b,
+            );
+        }
+    }
+}
+
+const ATTN: AttnShape = AttnShape {
+    heads: 16,
+    kv_heads: 2,
+    head_dim: 256,
+    rotary_dim: 64,
+    rope_theta: 1e7,
+};
+
+/// q/k norms, RoPE, cache append and attention over chunks of `lens` tokens.
+fn attention_on<B: Backend>(
+    b: &B,
+    sh: &AttnShape,
+    chunks: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+) -> Vec<Vec<f32>> {
+    let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
+    let total: usize = chunks.iter().map(|c| c.0.len() / (h * d)).sum();
+    let mut cache = b.new_kv_cache(sh, total + 3).expect("cache");
+    let mut pos = 0;
+    let mut outs = Vec::new();
+    for (q, k, v) in chunks {
+        let t = q.len() / (h * d);
+        let mut qt = up(b, q, t, h * d);
+        let mut kt = up(b, k, t, kvh * d);
+        b.rope(&mut qt, sh, pos).expect("rope q");
+        b.rope(&mut kt, sh, pos).expect("rope k");
+        outs.push(down(b, &qt));
+        b.kv_append(&mut cache, &kt, &up(b, v, t, kvh * d), pos)
+            .expect("append");
+        outs.push(down(
+            b,
+            &b.attention(&qt, &cache, sh, pos).expect("attention"),
+        ));
+        pos += t;
+    }
+    // A snapshot continues like the original.
+    let snap = b.clone_kv_cache(&cache, pos, total + 3).expect("clone");
+    let (q, _, _) = &chunks[0];
+    let q1 = up(b, &q[..h * d], 1, h * d);
+    outs.push(down(
+        b,
+        &b.attention(&q1, &snap, sh, pos - 1)
+            .expect("attention on a snapshot"),
+    ));
+    outs
+}
+
+#[test]
+fn attention_matches_at_short_and_long_contexts() {
+    let Some((cpu, gpu)) = backends_or_skip("attention_matches_at_short_and_long_contexts") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(27);
+    let small = AttnShape {
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 64,
+        rotary_dim: 16,
+        rope_theta: 1e4,
+    };
+    for sh in [ATTN, small] {
+        let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
+        // Prefill 9, decode 1, a long chunk (past the cache's first capacity, several key
+        // splits), then decode steps at positions over 1,300.
+        let chunks: Vec<_> = [9, 1, 1300, 1, 1]
+            .iter()
+            .map(|&t| {
+                (
+                    randn(&mut rng, t * h * d, 1.0),
+                    randn(&mut rng, t * kvh * d, 1.0),
+                    randn(&mut rng, t * kvh * d, 1.0),
+                )
+            })
+            .collect();
+        let g = attention_on(&gpu, &sh, &chunks);
+        let c = attention_on(&cpu, &sh, &chunks);
+        for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+            close(&format!("attention (H {h}, D {d}) output {i}"), a, b);
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn moe_on<B: Backend>(
+    b: &B,
+    logits: &[f32],
+    x: &[f32],
+    w: &[QWeight; 3],
+    t: usize,
+    e: usize,
+    k: usize,
+    renorm: bool,
+) -> Vec<f32> {
+    let rt = b.route(&up(b, logits, t, e), k, renorm).expect("route");
+    let [g, u, d] = w
+        .each_ref()
+        .map(|q| b.upload_qmatrix(clone_q(q)).expect("experts"));
+    down(
+        b,
+        &b.moe_experts(&up(b, x, t, w[0].cols), &rt, &g, &u, &d)
+            .expect("moe"),
+    )
+}
+
+#[test]
+fn routing_and_experts_match() {
+    let Some((cpu, gpu)) = backends_or_skip("routing_and_experts_match") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(28);
+    // (experts, top_k, hidden, intermediate, renormalise)
+    for (e, k, hidden, inter, renorm) in [
+        (256, 8, 2048, 512, true),
+        (8, 4, 192, 128, true),
+        (32, 8, 64, 64, false),
+    ] {
+        let w = [
+            qweight(&mut rng, e * inter, hidden, 4),
+            qweight(&mut rng, e * inter, hidden, 4),
+            qweight(&mut rng, e * hidden, inter, 4),
+        ];
+        for t in [1, 5] {
+            let mut logits = randn(&mut rng, t * e, 3.0);
+            logits[1] = logits[0]; // a tie: the lower id must win on both
+            let x = randn(&mut rng, t * hidden, 1.0);
+            let rc = cpu
+                .route(&up(&cpu, &logits, t, e), k, renorm)
+                .expect("route");
+            let rg = gpu
+                .route(&up(&gpu, &logits, t, e), k, renorm)
+                .expect("route");
+            let st = &gpu.device().stream;
+            let gids: Vec<u32> = st
+                .clone_dtoh(&rg.ids)
+                .expect("ids")
+                .iter()
+                .map(|&i| i as u32)
+                .collect();
+            assert_eq!(gids[..t * k], rc.ids[..], "routing ids E={e} k={k} T={t}");
+            let gw = st.clone_dtoh(&rg.weights).expect("weights");
+            close(
+                &format!("routing weights E={e} k={k} T={t}"),
+                &gw[..t * k],
+                &rc.weights,
+            );
+            close(
+                &format!("experts E={e} k={k} hidden {hidden} inter {inter} T={t}"),
+                &moe_on(&gpu, &logits, &x, &w, t, e, k, renorm),
+                &moe_on(&cpu, &logits, &x, &w, t, e, k, renorm),
+            );
+        }
+    }
 }
 
 #[test]

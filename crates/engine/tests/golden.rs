@@ -6,9 +6,12 @@
 //! is under `MARGIN_TOL` (past a near-tie the paths may legitimately diverge), and the golden's
 //! top-10 logits must agree within `LOGIT_TOL` at every compared step.
 
+use std::io::Write;
 use std::path::PathBuf;
 
+use engine::backend::Backend;
 use engine::backend::cpu::CpuBackend;
+use engine::backend::cuda::CudaBackend;
 use engine::generate::Engine;
 use serde_json::Value;
 
@@ -17,9 +20,12 @@ const LOGIT_TOL: f32 = 1e-3;
 /// logit tolerance, so that errors within tolerance cannot swap the top two.
 const MARGIN_TOL: f32 = 2.0 * LOGIT_TOL;
 
+/// The fixtures folder; `LILY_TEST_FIXTURES` overrides it for a test binary run elsewhere
+/// (the GPU machine runs binaries built on another machine).
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
+    std::env::var_os("LILY_TEST_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
         .join(name)
 }
 
@@ -66,7 +72,7 @@ enum Path {
 }
 
 /// Runs one golden case greedily along `path`; returns (steps compared token-for-token, worst |Δ|).
-fn run_case(eng: &Engine<CpuBackend>, name: &str, case: &Value, path: &Path) -> (usize, f32) {
+fn run_case<B: Backend>(eng: &Engine<B>, name: &str, case: &Value, path: &Path) -> (usize, f32) {
     let prompt = ids(&case["prompt_ids"]);
     let golden_ids = ids(&case["generated_ids"]);
     let steps = case["steps"].as_array().expect("steps");
@@ -86,7 +92,7 @@ fn run_case(eng: &Engine<CpuBackend>, name: &str, case: &Value, path: &Path) -> 
     let mut worst = 0.0f32;
     let mut compared = 0;
     for (j, step) in steps.iter().enumerate() {
-        let row = logits.data.clone();
+        let row = eng.backend.download(&logits).expect("download logits");
         let what = format!("{name} step {j}");
         worst = worst.max(compare_step(&what, &row, step));
         let margin = step["margin_top1_top2"].as_f64().expect("margin") as f32;
@@ -116,8 +122,9 @@ fn run_case(eng: &Engine<CpuBackend>, name: &str, case: &Value, path: &Path) -> 
     (compared, worst)
 }
 
-fn check_fixture(dir: &str, min_cases: usize) {
-    let eng = Engine::load(&fixture(dir), CpuBackend::new(0).expect("pool")).expect("load fixture");
+fn check_fixture<B: Backend>(backend: B, dir: &str, min_cases: usize) {
+    let eng = Engine::load(&fixture(dir), backend).expect("load fixture");
+    let dev = eng.backend_name();
     let g = golden(dir);
     let cases = g["cases"].as_object().expect("cases");
     assert!(
@@ -133,7 +140,7 @@ fn check_fixture(dir: &str, min_cases: usize) {
             };
             let (n, worst) = run_case(&eng, &format!("{dir}/{name} ({label})"), case, &path);
             eprintln!(
-                "{dir}/{name} ({label}): {n} greedy tokens identical, worst top-10 |Δlogit| {worst:.2e}"
+                "{dev} {dir}/{name} ({label}): {n} greedy tokens identical, worst top-10 |Δlogit| {worst:.2e}"
             );
             assert!(
                 n >= 4,
@@ -143,18 +150,58 @@ fn check_fixture(dir: &str, min_cases: usize) {
     }
 }
 
+fn cpu() -> CpuBackend {
+    CpuBackend::new(0).expect("pool")
+}
+
+/// The GPU backend, or None after saying why the test skipped.
+fn cuda_or_skip(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no usable GPU ({e})");
+            None
+        }
+    }
+}
+
 #[test]
 fn tiny_fixture_matches_mlx_f32_golden() {
-    check_fixture("tiny-qwen3_5_moe", 6);
+    check_fixture(cpu(), "tiny-qwen3_5_moe", 6);
 }
 
 #[test]
 fn tiny_alt_shape_matches_mlx_f32_golden() {
-    check_fixture("tiny-alt", 2);
+    check_fixture(cpu(), "tiny-alt", 2);
+}
+
+#[test]
+fn cuda_tiny_fixture_matches_mlx_f32_golden() {
+    if let Some(b) = cuda_or_skip("cuda_tiny_fixture_matches_mlx_f32_golden") {
+        check_fixture(b, "tiny-qwen3_5_moe", 6);
+    }
+}
+
+#[test]
+fn cuda_tiny_alt_shape_matches_mlx_f32_golden() {
+    if let Some(b) = cuda_or_skip("cuda_tiny_alt_shape_matches_mlx_f32_golden") {
+        check_fixture(b, "tiny-alt", 2);
+    }
 }
 
 #[test]
 fn every_prompt_position_matches_the_full_forward() {
+    all_positions(cpu());
+}
+
+#[test]
+fn cuda_every_prompt_position_matches_the_full_forward() {
+    if let Some(b) = cuda_or_skip("cuda_every_prompt_position_matches_the_full_forward") {
+        all_positions(b);
+    }
+}
+
+fn all_positions<B: Backend>(backend: B) {
     // For two prompts the golden records the top-5 logits at every prompt position (mlx-lm's
     // no-cache forward): this checks causal masking and positions inside one prefill.
     let dir = "tiny-qwen3_5_moe";
@@ -168,7 +215,7 @@ fn every_prompt_position_matches_the_full_forward() {
         !with_layers.is_empty(),
         "golden has no all-position records"
     );
-    let eng = Engine::load(&fixture(dir), CpuBackend::new(0).expect("pool")).expect("load fixture");
+    let eng = Engine::load(&fixture(dir), backend).expect("load fixture");
     for (name, case) in with_layers {
         let prompt = ids(&case["prompt_ids"]);
         let mut state = eng.new_state(prompt.len()).expect("state");
@@ -182,6 +229,7 @@ fn every_prompt_position_matches_the_full_forward() {
             )
             .expect("forward")
             .expect("all logits");
+        let all = eng.backend.download(&all).expect("download logits");
         // Every prompt position's top-5 logits (a no-cache full forward in mlx-lm).
         let vocab = eng.config().vocab_size;
         for (p, rec) in case["prefill_all_positions_top5"]
@@ -192,7 +240,7 @@ fn every_prompt_position_matches_the_full_forward() {
         {
             compare_step(
                 &format!("{name} position {p}"),
-                &all.data[p * vocab..(p + 1) * vocab],
+                &all[p * vocab..(p + 1) * vocab],
                 rec,
             );
         }

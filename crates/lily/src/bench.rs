@@ -44,7 +44,14 @@ pub fn fnv1a64(tokens: &[u32]) -> String {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     anyhow::ensure!(a.prompt_len >= 1, "--prompt-len must be at least 1");
-    let eng = crate::load_engine(&a.model)?;
+    let device = crate::open_device(a.model.device, a.model.threads)?;
+    crate::with_engine!(device, &a.model.model, |eng| bench_on(&eng, &a))
+}
+
+fn bench_on<B: engine::backend::Backend>(
+    eng: &engine::generate::Engine<B>,
+    a: &BenchArgs,
+) -> Result<()> {
     let vocab = eng.config().vocab_size;
     let prompt = bench_prompt(a.prompt_len, vocab);
     let max_seq = a.prompt_len + a.decode_steps + 1;

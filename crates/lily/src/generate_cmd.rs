@@ -61,16 +61,28 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         bail!("the prompt is empty");
     }
     let t_load = std::time::Instant::now();
-    let eng = crate::load_engine(&a.model)?;
-    let load_secs = t_load.elapsed().as_secs_f64();
-    let stop_ids: Vec<u32> = match &tokenizer {
+    let device = crate::open_device(a.model.device, a.model.threads)?;
+    crate::with_engine!(device, &a.model.model, |eng| {
+        let load_secs = t_load.elapsed().as_secs_f64();
+        generate_on(&eng, &a, tokenizer.as_ref(), &prompt_ids, load_secs)
+    })
+}
+
+fn generate_on<B: engine::backend::Backend>(
+    eng: &engine::generate::Engine<B>,
+    a: &GenerateArgs,
+    tokenizer: Option<&engine::tokenizer::Tokenizer>,
+    prompt_ids: &[u32],
+    load_secs: f64,
+) -> Result<()> {
+    let stop_ids: Vec<u32> = match tokenizer {
         Some(t) => t.stop_ids().to_vec(),
         None => eng.config().eos_token_ids.clone(),
     };
     let mut state = eng.new_state(prompt_ids.len() + a.max_tokens + 1)?;
     let mut pick = |_: &_, logits: &_| eng.argmax(logits);
     let streaming = !a.json;
-    let mut stream = tokenizer.as_ref().map(|t| t.stream_decoder());
+    let mut stream = tokenizer.map(|t| t.stream_decoder());
     let mut on_token = |tok: u32| {
         if streaming
             && let Some(s) = stream.as_mut()
@@ -83,14 +95,14 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         true
     };
     let g = eng.generate(
-        &prompt_ids,
+        prompt_ids,
         a.max_tokens,
         &stop_ids,
         &mut state,
         &mut pick,
         &mut on_token,
     )?;
-    let text = match &tokenizer {
+    let text = match tokenizer {
         Some(t) => Some(t.decode(&g.tokens, true)?),
         None => None,
     };

@@ -32,8 +32,58 @@ struct Cli {
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum DeviceArg {
+    /// The GPU when one is usable (driver, NVRTC, compute capability 8.0+), else the CPU.
     Auto,
     Cpu,
+    /// The first GPU; an error when none is usable.
+    Cuda,
+}
+
+/// The backend a command runs on.
+pub enum Device {
+    Cpu(engine::backend::cpu::CpuBackend),
+    Cuda(Box<engine::backend::cuda::CudaBackend>),
+}
+
+/// Opens the requested device; `auto` says in the log which one it took and why.
+pub fn open_device(device: DeviceArg, threads: usize) -> Result<Device> {
+    use anyhow::Context;
+    use engine::backend::cpu::CpuBackend;
+    use engine::backend::cuda::CudaBackend;
+    let cpu = || -> Result<Device> { Ok(Device::Cpu(CpuBackend::new(threads)?)) };
+    match device {
+        DeviceArg::Cpu => cpu(),
+        DeviceArg::Cuda => CudaBackend::new(0)
+            .map(|b| Device::Cuda(Box::new(b)))
+            .context("--device cuda: no usable GPU"),
+        DeviceArg::Auto => match CudaBackend::new(0) {
+            Ok(b) => {
+                tracing::info!("device auto: using the GPU");
+                Ok(Device::Cuda(Box::new(b)))
+            }
+            Err(e) => {
+                tracing::info!("device auto: no usable GPU ({e}); using the CPU");
+                cpu()
+            }
+        },
+    }
+}
+
+/// Runs `$body` with `$eng` bound to the engine loaded on `$device` (one copy per backend).
+#[macro_export]
+macro_rules! with_engine {
+    ($device:expr, $dir:expr, |$eng:ident| $body:expr) => {
+        match $device {
+            $crate::Device::Cpu(b) => {
+                let $eng = $crate::load_engine_on($dir, b)?;
+                $body
+            }
+            $crate::Device::Cuda(b) => {
+                let $eng = $crate::load_engine_on($dir, *b)?;
+                $body
+            }
+        }
+    };
 }
 
 #[derive(Subcommand)]
@@ -90,22 +140,19 @@ fn main() {
     }
 }
 
-/// Loads the engine on the requested device.
-pub fn load_engine(
-    args: &ModelArgs,
-) -> Result<engine::generate::Engine<engine::backend::cpu::CpuBackend>> {
+/// Loads the checkpoint in `dir` onto `backend`, logging the time it took.
+pub fn load_engine_on<B: engine::backend::Backend>(
+    dir: &std::path::Path,
+    backend: B,
+) -> Result<engine::generate::Engine<B>> {
     use anyhow::Context;
-    let backend = engine::backend::cpu::CpuBackend::new(args.threads)?;
     let t = std::time::Instant::now();
-    let name = {
-        use engine::backend::Backend;
-        backend.name()
-    };
-    let eng = engine::generate::Engine::load(&args.model, backend)
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let name = backend.name();
+    let eng = engine::generate::Engine::load(dir, backend)
+        .with_context(|| format!("loading {}", dir.display()))?;
     tracing::info!(
         "loaded {} on {} in {:.2}s",
-        args.model.display(),
+        dir.display(),
         name,
         t.elapsed().as_secs_f64()
     );

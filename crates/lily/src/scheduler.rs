@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::Instant;
 
 use engine::backend::Backend;
-use engine::backend::cpu::CpuBackend;
 use engine::chat::ChatTemplate;
 use engine::generate::{Engine, FinishReason};
 use engine::sampler::{Sampler, SamplingParams};
@@ -123,6 +122,7 @@ pub struct SchedulerConfig {
     pub queue: usize,
     pub cache_bytes: usize,
     pub threads: usize,
+    pub device: crate::DeviceArg,
 }
 
 impl Scheduler {
@@ -228,12 +228,36 @@ fn set_status(sh: &Shared, s: EngineStatus) {
 }
 
 fn engine_thread(cfg: SchedulerConfig, sh: Arc<Shared>, rx: mpsc::Receiver<Job>) {
-    let loaded = (|| -> anyhow::Result<(Engine<CpuBackend>, ModelInfo)> {
+    match crate::open_device(cfg.device, cfg.threads) {
+        Ok(crate::Device::Cpu(b)) => engine_loop(b, &cfg, &sh, &rx),
+        Ok(crate::Device::Cuda(b)) => engine_loop(*b, &cfg, &sh, &rx),
+        Err(e) => load_failed(&cfg, &sh, &rx, e),
+    }
+}
+
+/// Logs why the model is not served and answers every queued request with an error.
+fn load_failed(cfg: &SchedulerConfig, sh: &Shared, rx: &mpsc::Receiver<Job>, e: anyhow::Error) {
+    tracing::error!("loading {} failed: {e:#}", cfg.model_dir.display());
+    set_status(sh, EngineStatus::Failed(format!("{e:#}")));
+    while let Ok(job) = rx.recv() {
+        sh.queue_depth.fetch_sub(1, Ordering::SeqCst);
+        let _ = job
+            .events
+            .send(GenEvent::Error("the model failed to load".into()));
+    }
+}
+
+fn engine_loop<B: Backend>(
+    backend: B,
+    cfg: &SchedulerConfig,
+    sh: &Arc<Shared>,
+    rx: &mpsc::Receiver<Job>,
+) {
+    let loaded = (|| -> anyhow::Result<(Engine<B>, ModelInfo)> {
         let tokenizer = Tokenizer::from_dir(&cfg.model_dir)?;
         let template = ChatTemplate::from_dir(&cfg.model_dir)?;
-        let backend = CpuBackend::new(cfg.threads)?;
         let device = backend.name();
-        let eng = Engine::load(&cfg.model_dir, backend)?;
+        let eng = crate::load_engine_on(&cfg.model_dir, backend)?;
         let max_seq = cfg.max_seq.min(eng.config().max_position_embeddings.max(2));
         let mut stop_ids = tokenizer.stop_ids().to_vec();
         for id in &eng.config().eos_token_ids {
@@ -255,18 +279,7 @@ fn engine_thread(cfg: SchedulerConfig, sh: Arc<Shared>, rx: mpsc::Receiver<Job>)
     })();
     let (eng, info) = match loaded {
         Ok(v) => v,
-        Err(e) => {
-            tracing::error!("loading {} failed: {e:#}", cfg.model_dir.display());
-            set_status(&sh, EngineStatus::Failed(format!("{e:#}")));
-            // Answer anything that was queued meanwhile.
-            while let Ok(job) = rx.recv() {
-                sh.queue_depth.fetch_sub(1, Ordering::SeqCst);
-                let _ = job
-                    .events
-                    .send(GenEvent::Error("the model failed to load".into()));
-            }
-            return;
-        }
+        Err(e) => return load_failed(cfg, sh, rx, e),
     };
     let info = Arc::new(info);
     tracing::info!(
@@ -278,9 +291,9 @@ fn engine_thread(cfg: SchedulerConfig, sh: Arc<Shared>, rx: mpsc::Receiver<Job>)
     if let Ok(mut g) = sh.info.lock() {
         *g = Some(info.clone());
     }
-    set_status(&sh, EngineStatus::Ready);
+    set_status(sh, EngineStatus::Ready);
 
-    let mut cache: SessionCache<CpuBackend> = SessionCache::new(cfg.cache_bytes);
+    let mut cache: SessionCache<B> = SessionCache::new(cfg.cache_bytes);
     while let Ok(job) = rx.recv() {
         let depth = sh
             .queue_depth
@@ -442,6 +455,7 @@ mod tests {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures/tiny-qwen3_5_moe");
         let cfg = SchedulerConfig {
+            device: crate::DeviceArg::Cpu,
             model_dir: dir,
             max_seq: 256,
             queue: 4,

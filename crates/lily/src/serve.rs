@@ -8,20 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use clap::ValueEnum;
 
+use crate::DeviceArg;
 use crate::api::{AppState, router};
 use crate::metrics::Metrics;
 use crate::scheduler::{EngineStatus, Scheduler, SchedulerConfig, model_id};
 use crate::session_cache::default_budget_bytes;
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
-pub enum ServeDevice {
-    Auto,
-    Cpu,
-    /// Not built yet; refused with an explanation.
-    Cuda,
-}
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
@@ -35,8 +27,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 4096)]
     pub max_seq: usize,
     /// Compute device.
-    #[arg(long, value_enum, default_value_t = ServeDevice::Auto)]
-    pub device: ServeDevice,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
+    pub device: DeviceArg,
     /// Require `Authorization: Bearer KEY` on /v1/* (also read from LILY_API_KEY).
     #[arg(long, env = "LILY_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -73,11 +65,6 @@ fn parse_bytes(s: &str) -> Result<usize, String> {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    if args.device == ServeDevice::Cuda {
-        bail!(
-            "--device cuda is not available yet: this build serves on the CPU only; use --device cpu (or auto)"
-        );
-    }
     if !args.model.is_dir() {
         bail!("--model {}: no such directory", args.model.display());
     }
@@ -109,6 +96,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         queue: args.queue,
         cache_bytes: args.cache_bytes.unwrap_or_else(default_budget_bytes),
         threads: args.threads,
+        device: args.device,
     };
     tracing::info!(
         "listening on http://{addr} (max_seq {}, queue {}, cache {} MiB{})",

@@ -47,7 +47,13 @@ impl CudaDevice {
             format!("sm_{major}{minor}")
         };
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        let stream = ctx.default_stream();
+        // One stream orders all of lily's work, so cudarc's per-buffer event tracking (for
+        // multi-stream use) is pure overhead. Must precede the first allocation.
+        // SAFETY: every buffer is used on this context's single stream only.
+        unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx)?;
+        // A stream of its own (not the legacy default stream), so that it can be captured.
+        let stream = ctx.new_stream().map_err(driver_err("creating a stream"))?;
         Ok(CudaDevice {
             ctx,
             stream,
@@ -55,6 +61,13 @@ impl CudaDevice {
             name,
             modules: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Waits for every queued operation.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(driver_err("synchronizing the stream"))
     }
 
     /// Kernel `function` of family `family` (a file in kernels/), compiled on first use.
@@ -86,4 +99,28 @@ impl CudaDevice {
             .load_function(function)
             .map_err(driver_err("finding a kernel"))
     }
+}
+
+/// Buffers come from the device's stream-ordered memory pool. By default the pool returns freed
+/// memory to the driver at every synchronisation, which turns each decode step's temporaries
+/// into fresh driver allocations; keeping it makes a freed buffer's reuse a pool lookup.
+fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut keep = u64::MAX;
+    // SAFETY: the pool handle is written by the driver for this context's device; the attribute
+    // value is a u64, as CU_MEMPOOL_ATTR_RELEASE_THRESHOLD requires.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(driver_err("reading the memory pool"))?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut keep as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()
+        .map_err(driver_err("configuring the memory pool"))?;
+    }
+    Ok(())
 }

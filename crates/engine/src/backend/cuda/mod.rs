@@ -1,8 +1,1022 @@
-//! The CUDA backend (issue 4, in progress): kernels in `kernels/*.cu`, one family per file,
-//! embedded in the binary and compiled at start by NVRTC for the device's architecture. So far
-//! this holds the NVRTC loader, compiler and on-disk image cache, the device handle that loads
-//! compiled modules, and the first kernel family (tested on an H200 by tests/cuda_parity.rs);
-//! the device buffers and the `Backend` implementation come next.
+//! The CUDA backend: device buffers on one stream, kernels in `kernels/*.cu` (one family per
+//! file) embedded in the binary and compiled at start by NVRTC for the device's architecture
+//! (nvrtc.rs caches the images on disk). Activations, the KV cache and the GDN state are f32, as
+//! on the CPU, so every op can be compared with the CPU reference (tests/cuda_parity.rs).
+//!
+//! Every op only enqueues work on the stream; nothing waits for the GPU except `download` and
+//! `argmax_rows`, which read results back to the host.
 
 pub mod device;
 pub mod nvrtc;
+
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DeviceRepr, DriverError, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
+
+use self::device::CudaDevice;
+use super::{AttnShape, Backend, GdnShape};
+use crate::backend::cpu::reference::GDN_L2_EPS;
+use crate::checkpoint::QWeight;
+use crate::error::{Error, Result};
+
+/// A row-major `[rows, cols]` f32 activation in device memory.
+pub struct CudaTensor {
+    pub buf: CudaSlice<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// A quantized matrix (or expert stack) in device memory, in the checkpoint's layout.
+pub struct CudaQMatrix {
+    pub name: String,
+    codes: CudaSlice<u32>,
+    /// bf16 bit patterns.
+    scales: CudaSlice<u16>,
+    biases: CudaSlice<u16>,
+    pub rows: usize,
+    pub cols: usize,
+    pub bits: u32,
+}
+
+pub struct CudaGdnState {
+    /// The last `K-1` conv inputs `[K-1, C]`, oldest first.
+    pub window: CudaSlice<f32>,
+    /// Recurrent state `[Hv, Dv, Dk]`.
+    pub state: CudaSlice<f32>,
+}
+
+/// K and V rows `[capacity, KVH*D]`; grown (reallocated) on append up to `max_seq`, so short
+/// sequences and cache snapshots hold only what they use.
+pub struct CudaKvCache {
+    pub k: CudaSlice<f32>,
+    pub v: CudaSlice<f32>,
+    pub row: usize,
+    pub capacity: usize,
+    pub len: usize,
+    pub max_seq: usize,
+}
+
+pub struct CudaRouting {
+    pub ids: CudaSlice<i32>,
+    pub weights: CudaSlice<f32>,
+    pub tokens: usize,
+    pub top_k: usize,
+    pub num_experts: usize,
+}
+
+/// The compiled kernels, looked up once at start.
+struct Kernels {
+    gemv: [CudaFunction; 2],
+    gemm: [CudaFunction; 2],
+    embed: [CudaFunction; 2],
+    moe_gate_up: [CudaFunction; 2],
+    moe_down: [CudaFunction; 2],
+    moe_combine: CudaFunction,
+    moe_route: CudaFunction,
+    rms_norm: CudaFunction,
+    add_assign: CudaFunction,
+    swiglu: CudaFunction,
+    sigmoid_mul: CudaFunction,
+    add_sigmoid_gated: CudaFunction,
+    split_q_gate: CudaFunction,
+    argmax_rows: CudaFunction,
+    conv1d_silu: CudaFunction,
+    gdn_recurrence: CudaFunction,
+    rope: CudaFunction,
+    attention_partial: CudaFunction,
+    attention_combine: CudaFunction,
+}
+
+impl Kernels {
+    fn load(dev: &CudaDevice) -> Result<Kernels> {
+        let f = |family: &'static str, name: &str| dev.function(family, name);
+        let pair = |name: &str| -> Result<[CudaFunction; 2]> {
+            Ok([
+                f("quant", &format!("q4_{name}"))?,
+                f("quant", &format!("q8_{name}"))?,
+            ])
+        };
+        Ok(Kernels {
+            gemv: pair("gemv_f32")?,
+            gemm: pair("gemm_f32")?,
+            embed: pair("embed")?,
+            moe_gate_up: pair("moe_gate_up")?,
+            moe_down: pair("moe_down")?,
+            moe_combine: f("quant", "moe_combine")?,
+            moe_route: f("quant", "moe_route")?,
+            rms_norm: f("pointwise", "rms_norm")?,
+            add_assign: f("pointwise", "add_assign")?,
+            swiglu: f("pointwise", "swiglu")?,
+            sigmoid_mul: f("pointwise", "sigmoid_mul")?,
+            add_sigmoid_gated: f("pointwise", "add_sigmoid_gated")?,
+            split_q_gate: f("pointwise", "split_q_gate")?,
+            argmax_rows: f("pointwise", "argmax_rows")?,
+            conv1d_silu: f("gdn", "conv1d_silu")?,
+            gdn_recurrence: f("gdn", "gdn_recurrence")?,
+            rope: f("attention", "rope")?,
+            attention_partial: f("attention", "attention_partial")?,
+            attention_combine: f("attention", "attention_combine")?,
+        })
+    }
+}
+
+pub struct CudaBackend {
+    dev: CudaDevice,
+    k: Kernels,
+}
+
+fn driver(what: &'static str) -> impl Fn(DriverError) -> Error {
+    move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
+}
+
+/// Launches `$f` with `$cfg`; every argument is a plain value (device pointers as `u64`), bound
+/// to a local so that it outlives the launch call.
+macro_rules! launch {
+    ($be:expr, $f:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        let mut lb = $be.dev.stream.launch_builder(&$f);
+        $( let a = $arg; lb.arg(&a); )*
+        // SAFETY: each kernel's argument list is written next to its launch, in the order and
+        // with the types its signature declares; the grids and buffers are sized by the caller
+        // for the shapes that the kernel's comment documents.
+        unsafe { lb.launch($cfg) }
+            .map(|_| ())
+            .map_err(driver("kernel launch"))
+    }};
+}
+
+/// Quantization widths with a kernel: index into the `[q4, q8]` kernel pairs.
+fn bits_index(bits: u32, name: &str) -> Result<usize> {
+    match bits {
+        4 => Ok(0),
+        8 => Ok(1),
+        b => Err(Error::Backend(format!(
+            "{name}: {b}-bit weights have no CUDA kernel (4 and 8 do)"
+        ))),
+    }
+}
+
+fn cfg(grid: (u32, u32), threads: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
+}
+
+/// One thread per element, 256 per block.
+fn elementwise(n: usize) -> LaunchConfig {
+    cfg(((n.div_ceil(256)).max(1) as u32, 1), 256, 0)
+}
+
+fn same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> Result<()> {
+    if a.rows != b.rows || a.cols != b.cols {
+        return Err(Error::Backend(format!(
+            "{op}: shape mismatch [{}, {}] vs [{}, {}]",
+            a.rows, a.cols, b.rows, b.cols
+        )));
+    }
+    Ok(())
+}
+
+/// Keys per attention split at most this many blocks' worth of work is spread over.
+const ATTN_MIN_CHUNK: usize = 256;
+/// The largest dynamic shared memory a launch may ask for without opting in (48 KiB).
+const SMEM_LIMIT: usize = 48 * 1024;
+
+impl CudaBackend {
+    /// The GPU `ordinal`, with every kernel compiled (or loaded from the disk cache).
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        let dev = CudaDevice::open(ordinal)?;
+        let k = Kernels::load(&dev)?;
+        Ok(CudaBackend { dev, k })
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.dev.stream).0
+    }
+
+    /// `n` uninitialised elements (at least one: zero-sized allocations are not allowed).
+    fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: every buffer from here is written by a kernel or a copy before it is read.
+        unsafe { self.dev.stream.alloc::<T>(n.max(1)) }.map_err(driver("allocation"))
+    }
+
+    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.dev
+            .stream
+            .alloc_zeros::<T>(n.max(1))
+            .map_err(driver("allocation"))
+    }
+
+    fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        let mut buf = self.alloc::<T>(data.len())?;
+        if !data.is_empty() {
+            self.dev
+                .stream
+                .memcpy_htod(data, &mut buf)
+                .map_err(driver("upload"))?;
+        }
+        Ok(buf)
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        Ok(CudaTensor {
+            buf: self.alloc(rows * cols)?,
+            rows,
+            cols,
+        })
+    }
+
+    fn copy(
+        &self,
+        src: &CudaSlice<f32>,
+        src_off: usize,
+        dst: &mut CudaSlice<f32>,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.dev
+            .stream
+            .memcpy_dtod(
+                &src.slice(src_off..src_off + n),
+                &mut dst.slice_mut(dst_off..dst_off + n),
+            )
+            .map_err(driver("device copy"))
+    }
+
+    /// RMS norm over rows of `cols` (whole rows or heads), optionally gated by silu(z).
+    fn norm_rows(
+        &self,
+        x: &CudaTensor,
+        w: &CudaSlice<f32>,
+        z: Option<&CudaTensor>,
+        cols: usize,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        if cols == 0 || !x.cols.is_multiple_of(cols) || w.len() < cols {
+            return Err(Error::Backend(format!(
+                "rms_norm over {cols} of {} columns with {} gains",
+                x.cols,
+                w.len()
+            )));
+        }
+        let out = self.tensor(x.rows, x.cols)?;
+        let groups = x.rows * x.cols / cols;
+        if groups > 0 {
+            let zp = z.map(|z| self.ptr(&z.buf)).unwrap_or(0);
+            let threads = if cols >= 1024 { 256 } else { 128 };
+            launch!(
+                self,
+                self.k.rms_norm,
+                cfg((groups as u32, 1), threads, 0),
+                [
+                    self.ptr(&x.buf),
+                    self.ptr(w),
+                    zp,
+                    self.ptr(&out.buf),
+                    cols as i32,
+                    eps
+                ]
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// A quantized product, checked: `x [T, cols] -> [T, rows]`.
+    fn check_q(&self, x_cols: usize, w: &CudaQMatrix) -> Result<usize> {
+        if x_cols != w.cols {
+            return Err(Error::Backend(format!(
+                "qmatmul {}: input has {x_cols} columns, weight {}",
+                w.name, w.cols
+            )));
+        }
+        if !w.cols.is_multiple_of(64) || 4 * w.cols > SMEM_LIMIT {
+            return Err(Error::Backend(format!(
+                "{}: {} columns are not supported by the CUDA products (multiples of 64 up to {})",
+                w.name,
+                w.cols,
+                SMEM_LIMIT / 4
+            )));
+        }
+        bits_index(w.bits, &w.name)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type QMatrix = CudaQMatrix;
+    type Vector = CudaSlice<f32>;
+    type GdnState = CudaGdnState;
+    type KvCache = CudaKvCache;
+    type Routing = CudaRouting;
+
+    fn name(&self) -> String {
+        format!("cuda ({}, {})", self.dev.name, self.dev.arch)
+    }
+
+    fn upload_qmatrix(&self, w: QWeight) -> Result<CudaQMatrix> {
+        bits_index(w.bits, &w.name)?;
+        if w.group_size != 64 {
+            return Err(Error::Backend(format!(
+                "{}: group size {} has no CUDA kernel (64 does)",
+                w.name, w.group_size
+            )));
+        }
+        let scales: &[u16] = bytemuck::cast_slice(&w.scales[..]);
+        let biases: &[u16] = bytemuck::cast_slice(&w.biases[..]);
+        Ok(CudaQMatrix {
+            codes: self.upload(&w.codes[..])?,
+            scales: self.upload(scales)?,
+            biases: self.upload(biases)?,
+            rows: w.rows,
+            cols: w.cols,
+            bits: w.bits,
+            name: w.name,
+        })
+    }
+
+    fn upload_vector(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
+        self.upload(v)
+    }
+
+    fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
+        if data.len() != rows * cols {
+            return Err(Error::Backend(format!(
+                "upload of {} values as [{rows}, {cols}]",
+                data.len()
+            )));
+        }
+        Ok(CudaTensor {
+            buf: self.upload(data)?,
+            rows,
+            cols,
+        })
+    }
+
+    fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
+        let n = t.rows * t.cols;
+        let mut out = vec![0.0f32; n];
+        if n > 0 {
+            self.dev
+                .stream
+                .memcpy_dtoh(&t.buf.slice(0..n), &mut out)
+                .map_err(driver("download"))?;
+        }
+        self.dev
+            .stream
+            .synchronize()
+            .map_err(driver("synchronize"))?;
+        Ok(out)
+    }
+
+    fn tensor_shape(&self, t: &CudaTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn new_gdn_state(&self, s: &GdnShape) -> Result<CudaGdnState> {
+        Ok(CudaGdnState {
+            window: self.zeros((s.conv_kernel - 1) * s.conv_channels())?,
+            state: self.zeros(s.value_heads * s.value_dim * s.key_dim)?,
+        })
+    }
+
+    fn new_kv_cache(&self, s: &AttnShape, max_seq: usize) -> Result<CudaKvCache> {
+        let row = s.kv_heads * s.head_dim;
+        let capacity = max_seq.min(1024);
+        Ok(CudaKvCache {
+            k: self.alloc(capacity * row)?,
+            v: self.alloc(capacity * row)?,
+            row,
+            capacity,
+            len: 0,
+            max_seq,
+        })
+    }
+
+    fn reset_gdn_state(&self, s: &mut CudaGdnState) -> Result<()> {
+        let st = &self.dev.stream;
+        st.memset_zeros(&mut s.window).map_err(driver("memset"))?;
+        st.memset_zeros(&mut s.state).map_err(driver("memset"))
+    }
+
+    fn clone_gdn_state(&self, s: &CudaGdnState) -> Result<CudaGdnState> {
+        let st = &self.dev.stream;
+        Ok(CudaGdnState {
+            window: st.clone_dtod(&s.window).map_err(driver("copy"))?,
+            state: st.clone_dtod(&s.state).map_err(driver("copy"))?,
+        })
+    }
+
+    fn clone_kv_cache(&self, c: &CudaKvCache, len: usize, max_seq: usize) -> Result<CudaKvCache> {
+        let len = len.min(c.len);
+        let capacity = len.next_multiple_of(256).max(256).min(max_seq).max(len);
+        let mut k = self.alloc(capacity * c.row)?;
+        let mut v = self.alloc(capacity * c.row)?;
+        self.copy(&c.k, 0, &mut k, 0, len * c.row)?;
+        self.copy(&c.v, 0, &mut v, 0, len * c.row)?;
+        Ok(CudaKvCache {
+            k,
+            v,
+            row: c.row,
+            capacity,
+            len,
+            max_seq,
+        })
+    }
+
+    fn gdn_state_bytes(&self, s: &CudaGdnState) -> usize {
+        4 * (s.window.len() + s.state.len())
+    }
+
+    fn kv_cache_bytes(&self, c: &CudaKvCache) -> usize {
+        4 * (c.k.len() + c.v.len())
+    }
+
+    fn embed(&self, table: &CudaQMatrix, tokens: &[u32]) -> Result<CudaTensor> {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= table.rows) {
+            return Err(Error::invalid(format!(
+                "token id {bad} is outside the vocabulary of {} entries",
+                table.rows
+            )));
+        }
+        let b = bits_index(table.bits, &table.name)?;
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let ids = self.upload(&ids)?;
+        let out = self.tensor(tokens.len(), table.cols)?;
+        if !tokens.is_empty() {
+            launch!(
+                self,
+                self.k.embed[b],
+                cfg((tokens.len() as u32, 1), 256, 0),
+                [
+                    self.ptr(&table.codes),
+                    self.ptr(&table.scales),
+                    self.ptr(&table.biases),
+                    self.ptr(&ids),
+                    self.ptr(&out.buf),
+                    table.cols as i32
+                ]
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaSlice<f32>, eps: f32) -> Result<CudaTensor> {
+        self.norm_rows(x, w, None, x.cols, eps)
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        same_shape(x, y, "add")?;
+        let n = x.rows * x.cols;
+        launch!(
+            self,
+            self.k.add_assign,
+            elementwise(n),
+            [self.ptr(&x.buf), self.ptr(&y.buf), n as i64]
+        )
+    }
+
+    fn qmatmul(&self, x: &CudaTensor, w: &CudaQMatrix) -> Result<CudaTensor> {
+        let b = self.check_q(x.cols, w)?;
+        let out = self.tensor(x.rows, w.rows)?;
+        if x.rows == 0 || w.rows == 0 {
+            return Ok(out);
+        }
+        let args = (
+            self.ptr(&w.codes),
+            self.ptr(&w.scales),
+            self.ptr(&w.biases),
+            self.ptr(&x.buf),
+            self.ptr(&out.buf),
+        );
+        // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
+        // reuse each dequantized tile across 64 tokens.
+        if x.rows < 8 {
+            let grid = ((w.rows as u32).div_ceil(32), x.rows as u32);
+            launch!(
+                self,
+                self.k.gemv[b],
+                cfg(grid, 256, 4 * w.cols),
+                [
+                    args.0,
+                    args.1,
+                    args.2,
+                    args.3,
+                    args.4,
+                    w.rows as i32,
+                    w.cols as i32
+                ]
+            )?;
+        } else {
+            let grid = ((w.rows as u32).div_ceil(64), (x.rows as u32).div_ceil(64));
+            launch!(
+                self,
+                self.k.gemm[b],
+                cfg(grid, 256, 0),
+                [
+                    args.0,
+                    args.1,
+                    args.2,
+                    args.3,
+                    args.4,
+                    x.rows as i32,
+                    w.rows as i32,
+                    w.cols as i32
+                ]
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn swiglu(&self, g: &CudaTensor, u: &CudaTensor) -> Result<CudaTensor> {
+        same_shape(g, u, "swiglu")?;
+        let out = self.tensor(g.rows, g.cols)?;
+        let n = g.rows * g.cols;
+        launch!(
+            self,
+            self.k.swiglu,
+            elementwise(n),
+            [
+                self.ptr(&g.buf),
+                self.ptr(&u.buf),
+                self.ptr(&out.buf),
+                n as i64
+            ]
+        )?;
+        Ok(out)
+    }
+
+    fn last_row(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        let mut out = self.tensor(1, x.cols)?;
+        let start = (x.rows.max(1) - 1) * x.cols;
+        self.copy(&x.buf, start, &mut out.buf, 0, x.cols.min(x.rows * x.cols))?;
+        Ok(out)
+    }
+
+    fn argmax_rows(&self, x: &CudaTensor) -> Result<Vec<u32>> {
+        if x.rows == 0 {
+            return Ok(Vec::new());
+        }
+        let ids = self.alloc::<u32>(x.rows)?;
+        launch!(
+            self,
+            self.k.argmax_rows,
+            cfg((x.rows as u32, 1), 1024, 0),
+            [self.ptr(&x.buf), self.ptr(&ids), x.cols as i32]
+        )?;
+        let mut out = vec![0u32; x.rows];
+        self.dev
+            .stream
+            .memcpy_dtoh(&ids.slice(0..x.rows), &mut out)
+            .map_err(driver("download"))?;
+        self.dev
+            .stream
+            .synchronize()
+            .map_err(driver("synchronize"))?;
+        Ok(out)
+    }
+
+    fn conv1d_silu(
+        &self,
+        x: &CudaTensor,
+        w: &CudaSlice<f32>,
+        s: &mut CudaGdnState,
+        sh: &GdnShape,
+    ) -> Result<CudaTensor> {
+        let c = sh.conv_channels();
+        if x.cols != c || !(2..=8).contains(&sh.conv_kernel) {
+            return Err(Error::Backend(format!(
+                "conv1d: {} channels (expected {c}), kernel {} (2 to 8 supported)",
+                x.cols, sh.conv_kernel
+            )));
+        }
+        let out = self.tensor(x.rows, c)?;
+        if x.rows > 0 {
+            launch!(
+                self,
+                self.k.conv1d_silu,
+                cfg(((c as u32).div_ceil(128), 1), 128, 0),
+                [
+                    self.ptr(&x.buf),
+                    self.ptr(w),
+                    self.ptr(&s.window),
+                    self.ptr(&out.buf),
+                    x.rows as i32,
+                    c as i32,
+                    sh.conv_kernel as i32
+                ]
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn gdn_recurrence(
+        &self,
+        qkv: &CudaTensor,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        a_log: &CudaSlice<f32>,
+        dt_bias: &CudaSlice<f32>,
+        s: &mut CudaGdnState,
+        sh: &GdnShape,
+    ) -> Result<CudaTensor> {
+        let (hk, hv, dk, dv) = (sh.key_heads, sh.value_heads, sh.key_dim, sh.value_dim);
+        if dk % 32 != 0 || dk > 256 || hk == 0 || hv % hk != 0 {
+            return Err(Error::Backend(format!(
+                "gdn: key dim {dk} with {hk} key and {hv} value heads is not supported on CUDA \
+                 (key dims are multiples of 32 up to 256; value heads a multiple of key heads)"
+            )));
+        }
+        if qkv.cols != sh.conv_channels() || a.cols != hv || b.cols != hv {
+            return Err(Error::Backend(
+                "gdn: input shapes do not match the layer".into(),
+            ));
+        }
+        let y = self.tensor(qkv.rows, hv * dv)?;
+        if qkv.rows > 0 {
+            // 4 warps of 8 state rows per block.
+            launch!(
+                self,
+                self.k.gdn_recurrence,
+                cfg((hv as u32, (dv as u32).div_ceil(32)), 128, 0),
+                [
+                    self.ptr(&qkv.buf),
+                    self.ptr(&a.buf),
+                    self.ptr(&b.buf),
+                    self.ptr(a_log),
+                    self.ptr(dt_bias),
+                    self.ptr(&s.state),
+                    self.ptr(&y.buf),
+                    qkv.rows as i32,
+                    hk as i32,
+                    hv as i32,
+                    dk as i32,
+                    dv as i32,
+                    GDN_L2_EPS
+                ]
+            )?;
+        }
+        Ok(y)
+    }
+
+    fn gated_rms_norm(
+        &self,
+        y: &CudaTensor,
+        z: &CudaTensor,
+        w: &CudaSlice<f32>,
+        dim: usize,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        same_shape(y, z, "gated_rms_norm")?;
+        self.norm_rows(y, w, Some(z), dim, eps)
+    }
+
+    fn split_q_gate(
+        &self,
+        qg: &CudaTensor,
+        heads: usize,
+        d: usize,
+    ) -> Result<(CudaTensor, CudaTensor)> {
+        if qg.cols != 2 * heads * d {
+            return Err(Error::Backend(format!(
+                "split_q_gate: {} columns for {heads} heads of {d}",
+                qg.cols
+            )));
+        }
+        let q = self.tensor(qg.rows, heads * d)?;
+        let g = self.tensor(qg.rows, heads * d)?;
+        let n = qg.rows * heads * d;
+        launch!(
+            self,
+            self.k.split_q_gate,
+            elementwise(n),
+            [
+                self.ptr(&qg.buf),
+                self.ptr(&q.buf),
+                self.ptr(&g.buf),
+                qg.rows as i32,
+                heads as i32,
+                d as i32
+            ]
+        )?;
+        Ok((q, g))
+    }
+
+    fn head_rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaSlice<f32>,
+        dim: usize,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        self.norm_rows(x, w, None, dim, eps)
+    }
+
+    fn rope(&self, x: &mut CudaTensor, sh: &AttnShape, pos0: usize) -> Result<()> {
+        let d = sh.head_dim;
+        if d == 0
+            || !x.cols.is_multiple_of(d)
+            || !sh.rotary_dim.is_multiple_of(2)
+            || sh.rotary_dim > d
+        {
+            return Err(Error::Backend(format!(
+                "rope: {} columns, head dim {d}, rotary dim {}",
+                x.cols, sh.rotary_dim
+            )));
+        }
+        let heads = x.cols / d;
+        let n = x.rows * heads * sh.rotary_dim / 2;
+        if n == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            self.k.rope,
+            elementwise(n),
+            [
+                self.ptr(&x.buf),
+                x.rows as i32,
+                heads as i32,
+                d as i32,
+                sh.rotary_dim as i32,
+                sh.rope_theta,
+                pos0 as i32
+            ]
+        )
+    }
+
+    fn kv_append(
+        &self,
+        c: &mut CudaKvCache,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        pos0: usize,
+    ) -> Result<()> {
+        same_shape(k, v, "kv_append")?;
+        if k.cols != c.row {
+            return Err(Error::Backend(format!(
+                "kv_append: rows of {} values, cache rows of {}",
+                k.cols, c.row
+            )));
+        }
+        let end = pos0 + k.rows;
+        if end > c.max_seq {
+            return Err(Error::invalid(format!(
+                "sequence full: {end} positions exceed max_seq {}",
+                c.max_seq
+            )));
+        }
+        if pos0 > c.len {
+            return Err(Error::Backend(format!(
+                "kv_append at position {pos0} but the cache holds {}",
+                c.len
+            )));
+        }
+        if end > c.capacity {
+            // Grow geometrically (at most to max_seq), keeping the rows before pos0.
+            let capacity = end.max(2 * c.capacity).min(c.max_seq);
+            let mut nk = self.alloc(capacity * c.row)?;
+            let mut nv = self.alloc(capacity * c.row)?;
+            self.copy(&c.k, 0, &mut nk, 0, pos0 * c.row)?;
+            self.copy(&c.v, 0, &mut nv, 0, pos0 * c.row)?;
+            c.k = nk;
+            c.v = nv;
+            c.capacity = capacity;
+        }
+        let n = k.rows * c.row;
+        self.copy(&k.buf, 0, &mut c.k, pos0 * c.row, n)?;
+        self.copy(&v.buf, 0, &mut c.v, pos0 * c.row, n)?;
+        c.len = end;
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        c: &CudaKvCache,
+        sh: &AttnShape,
+        pos0: usize,
+    ) -> Result<CudaTensor> {
+        let (t, h, d) = (q.rows, sh.heads, sh.head_dim);
+        if d % 32 != 0 || d > 512 || sh.kv_heads == 0 || h % sh.kv_heads != 0 || q.cols != h * d {
+            return Err(Error::Backend(format!(
+                "attention: {h} heads of {d} over {} KV heads is not supported on CUDA \
+                 (head dims are multiples of 32 up to 512)",
+                sh.kv_heads
+            )));
+        }
+        if c.len < pos0 + t {
+            return Err(Error::Backend(format!(
+                "attention over {} positions but the cache holds {}",
+                pos0 + t,
+                c.len
+            )));
+        }
+        let out = self.tensor(t, h * d)?;
+        if t == 0 {
+            return Ok(out);
+        }
+        // Split the keys so that the grid fills the GPU even for one query, without more
+        // partial results than there are useful blocks.
+        let rows = t * h;
+        let len = pos0 + t;
+        let max_splits = (8192 / rows).max(1);
+        let splits = len.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
+        let chunk = len.div_ceil(splits);
+        let part = self.alloc::<f32>(rows * splits * (d + 2))?;
+        launch!(
+            self,
+            self.k.attention_partial,
+            cfg((rows as u32, splits as u32), 128, 0),
+            [
+                self.ptr(&q.buf),
+                self.ptr(&c.k),
+                self.ptr(&c.v),
+                self.ptr(&part),
+                h as i32,
+                sh.kv_heads as i32,
+                d as i32,
+                pos0 as i32,
+                chunk as i32,
+                splits as i32
+            ]
+        )?;
+        launch!(
+            self,
+            self.k.attention_combine,
+            cfg((rows as u32, 1), 128, 0),
+            [self.ptr(&part), self.ptr(&out.buf), d as i32, splits as i32]
+        )?;
+        Ok(out)
+    }
+
+    fn sigmoid_mul(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor> {
+        same_shape(x, gate, "sigmoid_mul")?;
+        let out = self.tensor(x.rows, x.cols)?;
+        let n = x.rows * x.cols;
+        launch!(
+            self,
+            self.k.sigmoid_mul,
+            elementwise(n),
+            [
+                self.ptr(&x.buf),
+                self.ptr(&gate.buf),
+                self.ptr(&out.buf),
+                n as i64
+            ]
+        )?;
+        Ok(out)
+    }
+
+    fn route(&self, logits: &CudaTensor, top_k: usize, renormalize: bool) -> Result<CudaRouting> {
+        let e = logits.cols;
+        if e == 0 || e > 1024 || top_k == 0 || top_k > 64 || top_k > e {
+            return Err(Error::Backend(format!(
+                "route: top {top_k} of {e} experts is not supported on CUDA (up to 64 of 1024)"
+            )));
+        }
+        let t = logits.rows;
+        let ids = self.alloc::<i32>(t * top_k)?;
+        let weights = self.alloc::<f32>(t * top_k)?;
+        if t > 0 {
+            launch!(
+                self,
+                self.k.moe_route,
+                cfg((t as u32, 1), 256, 0),
+                [
+                    self.ptr(&logits.buf),
+                    self.ptr(&ids),
+                    self.ptr(&weights),
+                    e as i32,
+                    top_k as i32,
+                    renormalize as i32
+                ]
+            )?;
+        }
+        Ok(CudaRouting {
+            ids,
+            weights,
+            tokens: t,
+            top_k,
+            num_experts: e,
+        })
+    }
+
+    fn moe_experts(
+        &self,
+        x: &CudaTensor,
+        rt: &CudaRouting,
+        gate: &CudaQMatrix,
+        up: &CudaQMatrix,
+        down: &CudaQMatrix,
+    ) -> Result<CudaTensor> {
+        let (t, hidden) = (x.rows, x.cols);
+        let e = rt.num_experts;
+        let inter = gate.rows / e;
+        let b = self.check_q(hidden, gate)?;
+        self.check_q(hidden, up)?;
+        self.check_q(inter, down)?;
+        if rt.tokens != t
+            || up.rows != gate.rows
+            || !gate.rows.is_multiple_of(e)
+            || down.rows != e * hidden
+            || up.bits != gate.bits
+            || down.bits != gate.bits
+        {
+            return Err(Error::Backend(format!(
+                "moe_experts: stacks {}x{} / {}x{} / {}x{} ({} bits) do not match {e} experts of hidden {hidden}",
+                gate.rows, gate.cols, up.rows, up.cols, down.rows, down.cols, gate.bits
+            )));
+        }
+        let pairs = t * rt.top_k;
+        let out = self.tensor(t, hidden)?;
+        if pairs == 0 {
+            return Ok(out);
+        }
+        let act = self.alloc::<f32>(pairs * inter)?;
+        let y = self.alloc::<f32>(pairs * hidden)?;
+        launch!(
+            self,
+            self.k.moe_gate_up[b],
+            cfg(((inter as u32).div_ceil(32), pairs as u32), 256, 4 * hidden),
+            [
+                self.ptr(&gate.codes),
+                self.ptr(&gate.scales),
+                self.ptr(&gate.biases),
+                self.ptr(&up.codes),
+                self.ptr(&up.scales),
+                self.ptr(&up.biases),
+                self.ptr(&rt.ids),
+                self.ptr(&x.buf),
+                self.ptr(&act),
+                rt.top_k as i32,
+                inter as i32,
+                hidden as i32
+            ]
+        )?;
+        launch!(
+            self,
+            self.k.moe_down[b],
+            cfg(((hidden as u32).div_ceil(32), pairs as u32), 256, 4 * inter),
+            [
+                self.ptr(&down.codes),
+                self.ptr(&down.scales),
+                self.ptr(&down.biases),
+                self.ptr(&rt.ids),
+                self.ptr(&act),
+                self.ptr(&y),
+                inter as i32,
+                hidden as i32
+            ]
+        )?;
+        launch!(
+            self,
+            self.k.moe_combine,
+            elementwise(t * hidden),
+            [
+                self.ptr(&y),
+                self.ptr(&rt.weights),
+                self.ptr(&out.buf),
+                t as i32,
+                rt.top_k as i32,
+                hidden as i32
+            ]
+        )?;
+        Ok(out)
+    }
+
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut CudaTensor,
+        y: &CudaTensor,
+        gate_logit: &CudaTensor,
+    ) -> Result<()> {
+        same_shape(out, y, "add_sigmoid_gated")?;
+        if gate_logit.rows != out.rows || gate_logit.cols != 1 {
+            return Err(Error::Backend(
+                "add_sigmoid_gated: one gate logit per row expected".into(),
+            ));
+        }
+        let n = out.rows * out.cols;
+        launch!(
+            self,
+            self.k.add_sigmoid_gated,
+            elementwise(n),
+            [
+                self.ptr(&out.buf),
+                self.ptr(&y.buf),
+                self.ptr(&gate_logit.buf),
+                out.rows as i32,
+                out.cols as i32
+            ]
+        )
+    }
+}

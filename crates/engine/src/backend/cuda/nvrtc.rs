@@ -19,7 +19,12 @@ use cudarc::nvrtc::{result, sys};
 use crate::error::{Error, Result};
 
 /// Every kernel family of the CUDA backend: (name, source).
-pub const KERNELS: &[(&str, &str)] = &[("quant", include_str!("kernels/quant.cu"))];
+pub const KERNELS: &[(&str, &str)] = &[
+    ("quant", include_str!("kernels/quant.cu")),
+    ("pointwise", include_str!("kernels/pointwise.cu")),
+    ("gdn", include_str!("kernels/gdn.cu")),
+    ("attention", include_str!("kernels/attention.cu")),
+];
 
 /// The architectures CI compiles every kernel for: the oldest supported and Hopper.
 pub const CI_ARCHS: &[&str] = &["sm_80", "sm_90a"];

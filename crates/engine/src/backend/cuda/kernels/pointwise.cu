@@ -1,0 +1,111 @@
+// Row-wise and elementwise ops: RMS norms (plain, per head, gated), residual adds, SwiGLU, the
+// attention output gate, the shared-expert gate, the q/gate split, and the argmax of logits rows.
+// Every reduction in f32.
+
+typedef unsigned int u32;
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // part may still be read by a previous call
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int w = 0; w < nw; ++w) s += part[w];
+    return s;
+}
+
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, one block per row of `cols` (rows may be
+// heads: the per-head norms call this with cols = head_dim). If z is given, the result is
+// multiplied by silu(z[r]) (the GDN output norm).
+extern "C" __global__ void rms_norm(const float* x, const float* w, const float* z, float* out, int cols,
+                                    float eps) {
+    const size_t base = (size_t)blockIdx.x * cols;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = x[base + c];
+        ss = fmaf(v, v, ss);
+    }
+    const float inv = 1.f / sqrtf(block_sum(ss) / (float)cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = x[base + c] * inv * w[c];
+        if (z) v *= silu(z[base + c]);
+        out[base + c] = v;
+    }
+}
+
+// x += y.
+extern "C" __global__ void add_assign(float* x, const float* y, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// out = silu(g) * u.
+extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = silu(g[i]) * u[i];
+}
+
+// out = x * sigmoid(gate).
+extern "C" __global__ void sigmoid_mul(const float* x, const float* gate, float* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] * sigmoid(gate[i]);
+}
+
+// out[t][c] += sigmoid(gate_logit[t]) * y[t][c].
+extern "C" __global__ void add_sigmoid_gated(float* out, const float* y, const float* gate_logit, int rows,
+                                            int cols) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * cols) return;
+    out[i] += sigmoid(gate_logit[i / cols]) * y[i];
+}
+
+// The q projection holds per head [query (d) | gate (d)]: q[t][h][:] and g[t][h][:].
+extern "C" __global__ void split_q_gate(const float* qg, float* q, float* g, int rows, int heads, int d) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long n = (long long)rows * heads * d;
+    if (i >= n) return;
+    const long long hd = i / d, j = i % d;
+    q[i] = qg[hd * 2 * d + j];
+    g[i] = qg[hd * 2 * d + d + j];
+}
+
+// First index of the maximum of each row; NaN never wins. One block of 1024 threads per row.
+extern "C" __global__ void argmax_rows(const float* x, u32* out, int cols) {
+    __shared__ float bv_s[32];
+    __shared__ int bi_s[32];
+    const float* row = x + (size_t)blockIdx.x * cols;
+    float bv = 0.f;
+    int bi = 0x7fffffff;  // "nothing seen"
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = row[c];
+        if (v == v && (bi == 0x7fffffff || v > bv)) { bv = v; bi = c; }
+    }
+    // Combine (value, index) pairs: larger value wins; equal values go to the lower index.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) { bv_s[warp] = bv; bi_s[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < nw; ++w) {
+            const float ov = bv_s[w];
+            const int oi = bi_s[w];
+            if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        out[blockIdx.x] = bi == 0x7fffffff ? 0u : (u32)bi;
+    }
+}

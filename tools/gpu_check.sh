@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU machine's checks, in one device call, from the repository root:
+#   parity  - the CUDA op-parity tests and the CUDA end-to-end golden tests (test binaries)
+#   api     - the API test suite against `lily serve --device cuda` on the tiny fixture
+#   synth   - `lily synth --preset 35b-a3b` into /tmp (kept while the machine stays warm)
+#   api35   - the API test suite against `lily serve --device cuda` on the synthetic 35B
+#   bench   - `lily bench --device cuda` on the synthetic 35B at $CONTEXTS
+# Usage: bash tools/gpu_check.sh [phase ...]   (default: parity api synth bench)
+# Needs (built on the development machine, git-ignored, carried with the call):
+#   .device/lily                  stripped release binary
+#   .device/cuda_parity, .device/golden   stripped test binaries
+#     (cargo test -p lily-engine --test cuda_parity --test golden --no-run)
+#   .device/wheels/               tests/api/requirements.txt as cp312 wheels
+#     (pip download --python-version 3.12 --only-binary=:all: -r tests/api/requirements.txt)
+# Logs and bench JSON go to $OUT (or /tmp/lily-gpu-check); a summary table is printed last.
+set -uo pipefail
+
+ROOT=$(pwd)
+OUT=${OUT:-/tmp/lily-gpu-check}
+SYNTH=${SYNTH:-/tmp/synth-35b-a3b}
+CONTEXTS=${CONTEXTS:-"256 4096"}
+DECODE_STEPS=${DECODE_STEPS:-64}
+BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-240}
+export LILY_KERNEL_CACHE=${LILY_KERNEL_CACHE:-/tmp/lily-kernels}
+export LILY_TEST_FIXTURES=$ROOT/tests/fixtures
+mkdir -p "$OUT"
+SUMMARY=()
+T0=$(date +%s)
+note() { printf '[%4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
+record() { SUMMARY+=("$1|$2"); note "$1: $2"; }
+
+phase_parity() {
+  for t in cuda_parity golden; do
+    note "test binary $t"
+    if ./.device/$t --test-threads=1 --nocapture >"$OUT/$t.log" 2>&1; then
+      record "$t" "pass ($(grep -c '^test .* ok$' "$OUT/$t.log") ok; $(grep -c SKIPPED "$OUT/$t.log") skipped)"
+    else
+      record "$t" "FAIL (see $t.log)"
+      grep -E 'panicked|FAILED|failed' "$OUT/$t.log" | head -20
+    fi
+  done
+  grep -E 'nmse|greedy tokens identical|GB/s' "$OUT"/cuda_parity.log "$OUT"/golden.log | sed 's|.*/||' >"$OUT/parity-summary.txt"
+}
+
+python_deps() {
+  [ -d /tmp/pyapi ] && return 0
+  python3 -m pip install --quiet --no-index --find-links .device/wheels --target /tmp/pyapi \
+    -r tests/api/requirements.txt >"$OUT/pip.log" 2>&1
+}
+
+run_api() { # name model-dir extra-env...
+  local name=$1 model=$2
+  shift 2
+  python_deps || { record "$name" "FAIL (pip, see pip.log)"; return; }
+  note "API tests ($name, $model)"
+  if env PYTHONPATH=/tmp/pyapi LILY_BIN="$ROOT/.device/lily" LILY_TEST_DEVICE=cuda \
+      LILY_TEST_MODEL="$model" "$@" python3 -m pytest tests/api -q -p no:cacheprovider \
+      --basetemp=/tmp/pytest-$name >"$OUT/$name.log" 2>&1; then
+    record "$name" "pass ($(tail -1 "$OUT/$name.log"))"
+  else
+    record "$name" "FAIL ($(tail -1 "$OUT/$name.log"))"
+    grep -E '^(FAILED|ERROR)' "$OUT/$name.log" | head -20
+  fi
+}
+
+phase_api() { run_api api-tiny "$ROOT/tests/fixtures/tiny-qwen3_5_moe"; }
+phase_api35() { run_api api-35b "$SYNTH" LILY_TEST_STARTUP_S=300; }
+
+phase_synth() {
+  if [ -f "$SYNTH/config.json" ]; then note "synth: $SYNTH exists"; return; fi
+  note "lily synth --preset 35b-a3b"
+  local t=$(date +%s)
+  ./.device/lily synth --preset 35b-a3b --out "$SYNTH" \
+    --tokenizer-from tests/fixtures/tiny-qwen3_5_moe >"$OUT/synth.log" 2>&1 \
+    && record synth "$(du -sh "$SYNTH" | cut -f1) in $(($(date +%s) - t)) s" \
+    || record synth "FAIL (see synth.log)"
+}
+
+phase_bench() {
+  for n in $CONTEXTS; do
+    note "lily bench --prompt-len $n"
+    if timeout "$BENCH_TIMEOUT_S" ./.device/lily bench --model "$SYNTH" --device cuda --prompt-len "$n" \
+        --decode-steps "$DECODE_STEPS" --json-out "$OUT/lily-ctx$n.json" >/dev/null 2>"$OUT/bench-ctx$n.log"; then
+      record "bench ctx $n" "$(tail -1 "$OUT/bench-ctx$n.log")"
+    else
+      record "bench ctx $n" "FAIL or timeout (see bench-ctx$n.log)"
+    fi
+  done
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+for p in "${@:-parity api synth bench}"; do
+  for q in $p; do "phase_$q"; done
+done
+echo
+echo "| check | result |"
+echo "|---|---|"
+for s in "${SUMMARY[@]}"; do echo "| ${s%%|*} | ${s#*|} |"; done
