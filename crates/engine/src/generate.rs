@@ -104,10 +104,12 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Feeds one token; returns its logits `[1, vocab]` on the device.
+    /// Feeds one token; returns its logits `[1, vocab]` on the device (valid until the next
+    /// step: a backend may replay a recorded step into the same buffer).
     pub fn decode_step(&self, token: u32, state: &mut DecodeState<B>) -> Result<B::Tensor> {
         self.check_tokens(&[token])?;
-        self.logits_for(&[token], state)
+        self.backend
+            .decode_step(state, token, &mut |st| self.logits_for(&[token], st))
     }
 
     fn logits_for(&self, tokens: &[u32], state: &mut DecodeState<B>) -> Result<B::Tensor> {

@@ -537,15 +537,14 @@ fn routing_and_experts_match() {
             let rg = gpu
                 .route(&up(&gpu, &logits, t, e), k, renorm)
                 .expect("route");
-            let st = &gpu.device().stream;
-            let gids: Vec<u32> = st
-                .clone_dtoh(&rg.ids)
+            let gids: Vec<u32> = gpu
+                .download_buf(&rg.ids)
                 .expect("ids")
                 .iter()
                 .map(|&i| i as u32)
                 .collect();
             assert_eq!(gids[..t * k], rc.ids[..], "routing ids E={e} k={k} T={t}");
-            let gw = st.clone_dtoh(&rg.weights).expect("weights");
+            let gw = gpu.download_buf(&rg.weights).expect("weights");
             close(
                 &format!("routing weights E={e} k={k} T={t}"),
                 &gw[..t * k],
@@ -605,4 +604,58 @@ fn quantized_gemv_bandwidth_is_reported() {
         dev.name,
         bytes / (ms as f64 * 1e-3) / 1e9
     );
+}
+
+fn fused_on<B: Backend>(b: &B, ws: &[QWeight], x: &[f32], y: &[f32], g: &[f32]) -> Vec<Vec<f32>> {
+    let cols = ws[0].cols;
+    let qs: Vec<_> = ws
+        .iter()
+        .map(|w| b.upload_qmatrix(clone_q(w)).expect("w"))
+        .collect();
+    let refs: Vec<_> = qs.iter().collect();
+    let xt = up(b, x, 1, cols);
+    let mut outs: Vec<Vec<f32>> = b
+        .qmatmul_many(&xt, &refs)
+        .expect("qmatmul_many")
+        .iter()
+        .map(|t| down(b, t))
+        .collect();
+    let mut acc = up(b, x, 1, cols);
+    let gain = b.upload_vector(g).expect("gain");
+    let normed = b
+        .add_rms_norm(&mut acc, &up(b, y, 1, cols), &gain, 1e-6)
+        .expect("add_rms_norm");
+    outs.push(down(b, &acc));
+    outs.push(down(b, &normed));
+    outs
+}
+
+#[test]
+fn fused_projections_and_residual_norm_match() {
+    let Some((cpu, gpu)) = backends_or_skip("fused_projections_and_residual_norm_match") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(29);
+    let cols = 2048;
+    // The MoE block's shape: two 8-bit matrices, then two 4-bit ones; and a run of five 4-bit
+    // matrices (more than one launch holds).
+    let sets: [Vec<(usize, u32)>; 2] = [
+        vec![(256, 8), (1, 8), (512, 4), (512, 4)],
+        vec![(8192, 4), (4096, 4), (32, 4), (32, 4), (100, 4)],
+    ];
+    for set in sets {
+        let ws: Vec<QWeight> = set
+            .iter()
+            .map(|&(r, bits)| qweight(&mut rng, r, cols, bits))
+            .collect();
+        let x = randn(&mut rng, cols, 1.0);
+        let y = randn(&mut rng, cols, 1.0);
+        let g = randn(&mut rng, cols, 1.0);
+        let got = fused_on(&gpu, &ws, &x, &y, &g);
+        let want = fused_on(&cpu, &ws, &x, &y, &g);
+        assert_eq!(got.len(), want.len());
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            close(&format!("fused output {i} of {set:?}"), a, b);
+        }
+    }
 }

@@ -9,6 +9,7 @@ pub mod cuda;
 
 use crate::checkpoint::QWeight;
 use crate::error::Result;
+use crate::model::state::DecodeState;
 
 /// Shape facts of one Gated DeltaNet layer that the ops need.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,6 +85,22 @@ pub trait Backend: Send + Sync + 'static {
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// `x @ w^T` with `w` quantized: `[T, K] x [N, K] -> [T, N]`, f32 accumulation.
     fn qmatmul(&self, x: &Self::Tensor, w: &Self::QMatrix) -> Result<Self::Tensor>;
+    /// `x @ w^T` for several matrices that read the same input (a layer's input projections):
+    /// one launch on a GPU where their bit widths agree.
+    fn qmatmul_many(&self, x: &Self::Tensor, ws: &[&Self::QMatrix]) -> Result<Vec<Self::Tensor>> {
+        ws.iter().map(|w| self.qmatmul(x, w)).collect()
+    }
+    /// The residual add fused with the next norm: `x += y`, then `rmsnorm(x) * w`.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        w: &Self::Vector,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, w, eps)
+    }
     /// `silu(g) * u`, elementwise.
     fn swiglu(&self, g: &Self::Tensor, u: &Self::Tensor) -> Result<Self::Tensor>;
     /// The last row of `x` (only the last prompt position needs logits).
@@ -189,4 +206,22 @@ pub trait Backend: Send + Sync + 'static {
         y: &Self::Tensor,
         gate_logit: &Self::Tensor,
     ) -> Result<()>;
+
+    // ---- decode steps
+    /// One single-token decode step feeding `token` at `state.pos`: `forward` runs the model
+    /// graph (and advances the state). A backend may record the step's ops once and replay the
+    /// recording for later steps on the same state buffers (CUDA graphs); the logits it returns
+    /// are then valid until the next step. The default runs `forward` every time.
+    fn decode_step(
+        &self,
+        state: &mut DecodeState<Self>,
+        token: u32,
+        forward: &mut dyn FnMut(&mut DecodeState<Self>) -> Result<Self::Tensor>,
+    ) -> Result<Self::Tensor>
+    where
+        Self: Sized,
+    {
+        let _ = token;
+        forward(state)
+    }
 }

@@ -212,8 +212,10 @@ impl<B: Backend> Qwen35Moe<B> {
         let eps = self.cfg.rms_norm_eps;
         let pos = state.pos;
         let mut x = b.embed(&self.embed, tokens)?;
-        for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
-            let h = b.rms_norm(&x, &layer.input_norm, eps)?;
+        // Each residual add is fused with the norm that follows it: the post-mixer norm, the
+        // next layer's input norm, or the final norm.
+        let mut h = b.rms_norm(&x, &self.layers[0].input_norm, eps)?;
+        for (i, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             let mixed = match (&layer.mixer, ls) {
                 (Mixer::Gdn(w), LayerState::Gdn(s)) => self.gdn(b, w, &h, s)?,
                 (Mixer::Attn(w), LayerState::Attn(c)) => self.attention(b, w, &h, c, pos)?,
@@ -223,18 +225,20 @@ impl<B: Backend> Qwen35Moe<B> {
                     ));
                 }
             };
-            b.add_assign(&mut x, &mixed)?;
-            let h = b.rms_norm(&x, &layer.post_norm, eps)?;
-            let moe = self.moe(b, &layer.moe, &h)?;
-            b.add_assign(&mut x, &moe)?;
+            let h_post = b.add_rms_norm(&mut x, &mixed, &layer.post_norm, eps)?;
+            let moe = self.moe(b, &layer.moe, &h_post)?;
+            let next_norm = self
+                .layers
+                .get(i + 1)
+                .map_or(&self.final_norm, |l| &l.input_norm);
+            h = b.add_rms_norm(&mut x, &moe, next_norm, eps)?;
         }
         state.pos += tokens.len();
-        let x = match want {
+        let h = match want {
             Logits::None => return Ok(None),
-            Logits::Last => b.last_row(&x)?,
-            Logits::All => x,
+            Logits::Last => b.last_row(&h)?,
+            Logits::All => h,
         };
-        let h = b.rms_norm(&x, &self.final_norm, eps)?;
         b.qmatmul(&h, &self.lm_head).map(Some)
     }
 
@@ -246,10 +250,10 @@ impl<B: Backend> Qwen35Moe<B> {
         s: &mut B::GdnState,
     ) -> Result<B::Tensor> {
         let sh = &self.gdn_shape;
-        let qkv = b.qmatmul(h, &w.in_proj_qkv)?;
-        let z = b.qmatmul(h, &w.in_proj_z)?;
-        let a = b.qmatmul(h, &w.in_proj_a)?;
-        let beta_logit = b.qmatmul(h, &w.in_proj_b)?;
+        let [qkv, z, a, beta_logit] = four(b.qmatmul_many(
+            h,
+            &[&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_a, &w.in_proj_b],
+        )?)?;
         let qkv = b.conv1d_silu(&qkv, &w.conv, s, sh)?;
         let y = b.gdn_recurrence(&qkv, &a, &beta_logit, &w.a_log, &w.dt_bias, s, sh)?;
         let y = b.gated_rms_norm(&y, &z, &w.norm, sh.value_dim, self.cfg.rms_norm_eps)?;
@@ -266,10 +270,8 @@ impl<B: Backend> Qwen35Moe<B> {
     ) -> Result<B::Tensor> {
         let sh = &self.attn_shape;
         let eps = self.cfg.rms_norm_eps;
-        let q_gate = b.qmatmul(h, &w.q_proj)?;
+        let [q_gate, k, v] = three(b.qmatmul_many(h, &[&w.q_proj, &w.k_proj, &w.v_proj])?)?;
         let (q, gate) = b.split_q_gate(&q_gate, sh.heads, sh.head_dim)?;
-        let k = b.qmatmul(h, &w.k_proj)?;
-        let v = b.qmatmul(h, &w.v_proj)?;
         let mut q = b.head_rms_norm(&q, &w.q_norm, sh.head_dim, eps)?;
         let mut k = b.head_rms_norm(&k, &w.k_norm, sh.head_dim, eps)?;
         b.rope(&mut q, sh, pos)?;
@@ -281,16 +283,33 @@ impl<B: Backend> Qwen35Moe<B> {
     }
 
     fn moe(&self, b: &B, w: &MoeWeights<B>, h: &B::Tensor) -> Result<B::Tensor> {
-        let router_logits = b.qmatmul(h, &w.router)?;
+        // Everything that reads h directly: the router and shared-expert gate (8-bit), the
+        // shared expert's gate and up projections.
+        let [router_logits, shared_gate_logit, g, u] = four(b.qmatmul_many(
+            h,
+            &[
+                &w.router,
+                &w.shared_expert_gate,
+                &w.shared_gate,
+                &w.shared_up,
+            ],
+        )?)?;
         let routing = b.route(&router_logits, self.cfg.top_k, self.cfg.norm_topk_prob)?;
         let mut out = b.moe_experts(h, &routing, &w.gate_exps, &w.up_exps, &w.down_exps)?;
-        let g = b.qmatmul(h, &w.shared_gate)?;
-        let u = b.qmatmul(h, &w.shared_up)?;
         let shared = b.qmatmul(&b.swiglu(&g, &u)?, &w.shared_down)?;
-        let shared_gate_logit = b.qmatmul(h, &w.shared_expert_gate)?;
         b.add_sigmoid_gated(&mut out, &shared, &shared_gate_logit)?;
         Ok(out)
     }
+}
+
+fn three<T>(v: Vec<T>) -> Result<[T; 3]> {
+    v.try_into()
+        .map_err(|_| Error::Backend("qmatmul_many returned the wrong count".into()))
+}
+
+fn four<T>(v: Vec<T>) -> Result<[T; 4]> {
+    v.try_into()
+        .map_err(|_| Error::Backend("qmatmul_many returned the wrong count".into()))
 }
 
 fn load_gdn<B: Backend>(ld: &mut Loader<'_, B>, p: &str) -> Result<GdnWeights<B>> {

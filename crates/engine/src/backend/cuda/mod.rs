@@ -9,9 +9,12 @@
 pub mod device;
 pub mod nvrtc;
 
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
 use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DeviceRepr, DriverError, LaunchConfig, PushKernelArg,
-    ValidAsZeroBits,
+    CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits, sys,
 };
 
 use self::device::CudaDevice;
@@ -19,10 +22,28 @@ use super::{AttnShape, Backend, GdnShape};
 use crate::backend::cpu::reference::GDN_L2_EPS;
 use crate::checkpoint::QWeight;
 use crate::error::{Error, Result};
+use crate::model::state::{DecodeState, LayerState};
+
+/// Device memory of one op's result: owned (back to the pool when dropped), or a slice of the
+/// decode-step arena, which lives as long as the recorded step that wrote it.
+pub struct DevBuf<T> {
+    ptr: u64,
+    len: usize,
+    _owned: Option<CudaSlice<T>>,
+}
+
+impl<T> DevBuf<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
 
 /// A row-major `[rows, cols]` f32 activation in device memory.
 pub struct CudaTensor {
-    pub buf: CudaSlice<f32>,
+    pub buf: DevBuf<f32>,
     pub rows: usize,
     pub cols: usize,
 }
@@ -58,8 +79,8 @@ pub struct CudaKvCache {
 }
 
 pub struct CudaRouting {
-    pub ids: CudaSlice<i32>,
-    pub weights: CudaSlice<f32>,
+    pub ids: DevBuf<i32>,
+    pub weights: DevBuf<f32>,
     pub tokens: usize,
     pub top_k: usize,
     pub num_experts: usize,
@@ -68,6 +89,7 @@ pub struct CudaRouting {
 /// The compiled kernels, looked up once at start.
 struct Kernels {
     gemv: [CudaFunction; 2],
+    gemv_batch: [CudaFunction; 2],
     gemm: [CudaFunction; 2],
     embed: [CudaFunction; 2],
     moe_gate_up: [CudaFunction; 2],
@@ -75,6 +97,7 @@ struct Kernels {
     moe_combine: CudaFunction,
     moe_route: CudaFunction,
     rms_norm: CudaFunction,
+    add_rms_norm: CudaFunction,
     add_assign: CudaFunction,
     swiglu: CudaFunction,
     sigmoid_mul: CudaFunction,
@@ -84,6 +107,7 @@ struct Kernels {
     conv1d_silu: CudaFunction,
     gdn_recurrence: CudaFunction,
     rope: CudaFunction,
+    kv_write: CudaFunction,
     attention_partial: CudaFunction,
     attention_combine: CudaFunction,
 }
@@ -99,6 +123,7 @@ impl Kernels {
         };
         Ok(Kernels {
             gemv: pair("gemv_f32")?,
+            gemv_batch: pair("gemv_batch")?,
             gemm: pair("gemm_f32")?,
             embed: pair("embed")?,
             moe_gate_up: pair("moe_gate_up")?,
@@ -106,6 +131,7 @@ impl Kernels {
             moe_combine: f("quant", "moe_combine")?,
             moe_route: f("quant", "moe_route")?,
             rms_norm: f("pointwise", "rms_norm")?,
+            add_rms_norm: f("pointwise", "add_rms_norm")?,
             add_assign: f("pointwise", "add_assign")?,
             swiglu: f("pointwise", "swiglu")?,
             sigmoid_mul: f("pointwise", "sigmoid_mul")?,
@@ -115,6 +141,7 @@ impl Kernels {
             conv1d_silu: f("gdn", "conv1d_silu")?,
             gdn_recurrence: f("gdn", "gdn_recurrence")?,
             rope: f("attention", "rope")?,
+            kv_write: f("attention", "kv_write")?,
             attention_partial: f("attention", "attention_partial")?,
             attention_combine: f("attention", "attention_combine")?,
         })
@@ -124,6 +151,58 @@ impl Kernels {
 pub struct CudaBackend {
     dev: CudaDevice,
     k: Kernels,
+    /// `[token, position]` of the decode step being recorded or replayed: recorded kernels read
+    /// them from here, so one recording serves every step.
+    params: CudaSlice<i32>,
+    step: Mutex<StepState>,
+    /// Set while a decode step is being recorded: temporaries come from the arena, and the
+    /// position-dependent kernels read `params`.
+    capturing: AtomicBool,
+    /// While recording: the key-length bound that sizes the attention split grid.
+    bucket: AtomicUsize,
+    graphs: bool,
+}
+
+/// The recorded decode step and the memory its temporaries live in.
+#[derive(Default)]
+struct StepState {
+    arena: Option<CudaSlice<u8>>,
+    used: usize,
+    graph: Option<StepGraph>,
+}
+
+struct StepGraph {
+    /// What the recording depends on: the key-length bucket and every state buffer's address.
+    key: Vec<u64>,
+    exec: GraphExec,
+    /// The recorded logits `[1, vocab]` in the arena.
+    logits: (u64, usize),
+}
+
+/// An instantiated graph. The driver's graph handles are not tied to a thread; the `Mutex`
+/// around `StepState` keeps launches from different threads apart.
+struct GraphExec(CudaGraph);
+
+// SAFETY: see above: the handle is only used under the step lock.
+unsafe impl Send for GraphExec {}
+
+/// Arena for one recorded step's temporaries; doubled when a recording needs more.
+const ARENA_BYTES: usize = 256 << 20;
+
+trait Raw {
+    fn raw(&self, stream: &CudaStream) -> u64;
+}
+
+impl<T> Raw for CudaSlice<T> {
+    fn raw(&self, stream: &CudaStream) -> u64 {
+        self.device_ptr(stream).0
+    }
+}
+
+impl<T> Raw for DevBuf<T> {
+    fn raw(&self, _: &CudaStream) -> u64 {
+        self.ptr
+    }
 }
 
 fn driver(what: &'static str) -> impl Fn(DriverError) -> Error {
@@ -144,6 +223,22 @@ macro_rules! launch {
             .map_err(driver("kernel launch"))
     }};
 }
+
+/// Up to four matrices of one bit width read by one matrix-vector launch (`QBatch` in
+/// kernels/quant.cu: the same field order and C layout).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct QBatch {
+    codes: [u64; 4],
+    scales: [u64; 4],
+    biases: [u64; 4],
+    y: [u64; 4],
+    rows: [i32; 4],
+    first_block: [i32; 5],
+}
+
+// SAFETY: plain old data with the kernel-side struct's C layout, passed by value.
+unsafe impl DeviceRepr for QBatch {}
 
 /// Quantization widths with a kernel: index into the `[q4, q8]` kernel pairs.
 fn bits_index(bits: u32, name: &str) -> Result<usize> {
@@ -179,31 +274,93 @@ fn same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> Result<()> {
     Ok(())
 }
 
-/// Keys per attention split at most this many blocks' worth of work is spread over.
-const ATTN_MIN_CHUNK: usize = 256;
+/// Keys per attention split, at least (more when the split count is capped).
+const ATTN_MIN_CHUNK: usize = 64;
 /// The largest dynamic shared memory a launch may ask for without opting in (48 KiB).
 const SMEM_LIMIT: usize = 48 * 1024;
 
 impl CudaBackend {
     /// The GPU `ordinal`, with every kernel compiled (or loaded from the disk cache).
+    /// `LILY_CUDA_GRAPHS=0` runs decode steps without recording them (for debugging).
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
         let dev = CudaDevice::open(ordinal)?;
         let k = Kernels::load(&dev)?;
-        Ok(CudaBackend { dev, k })
+        let params = dev
+            .stream
+            .alloc_zeros::<i32>(2)
+            .map_err(driver("allocation"))?;
+        Ok(CudaBackend {
+            dev,
+            k,
+            params,
+            step: Mutex::new(StepState::default()),
+            capturing: AtomicBool::new(false),
+            bucket: AtomicUsize::new(0),
+            graphs: std::env::var("LILY_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+        })
     }
 
     pub fn device(&self) -> &CudaDevice {
         &self.dev
     }
 
-    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
-        s.device_ptr(&self.dev.stream).0
+    fn ptr(&self, b: &impl Raw) -> u64 {
+        b.raw(&self.dev.stream)
+    }
+
+    fn cu_stream(&self) -> sys::CUstream {
+        self.dev.stream.cu_stream()
+    }
+
+    fn recording(&self) -> bool {
+        self.capturing.load(Ordering::Relaxed)
+    }
+
+    /// The device address of the recorded step's position, or null (0) for eager launches,
+    /// which pass the position by value.
+    fn pos_ptr(&self) -> u64 {
+        if self.recording() {
+            self.ptr(&self.params) + 4
+        } else {
+            0
+        }
     }
 
     /// `n` uninitialised elements (at least one: zero-sized allocations are not allowed).
     fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every buffer from here is written by a kernel or a copy before it is read.
         unsafe { self.dev.stream.alloc::<T>(n.max(1)) }.map_err(driver("allocation"))
+    }
+
+    /// A temporary of `n` elements: from the pool, or from the arena while recording.
+    fn tmp<T: DeviceRepr>(&self, n: usize) -> Result<DevBuf<T>> {
+        if !self.recording() {
+            let owned = self.alloc::<T>(n)?;
+            return Ok(DevBuf {
+                ptr: self.ptr(&owned),
+                len: n,
+                _owned: Some(owned),
+            });
+        }
+        let mut st = self.lock_step()?;
+        let bytes = (n.max(1) * std::mem::size_of::<T>()).next_multiple_of(256);
+        let base = match &st.arena {
+            Some(a) if st.used + bytes <= a.len() => self.ptr(a),
+            _ => return Err(Error::Backend("decode-step arena full".into())),
+        };
+        let ptr = base + st.used as u64;
+        st.used += bytes;
+        Ok(DevBuf {
+            ptr,
+            len: n,
+            _owned: None,
+        })
+    }
+
+    fn lock_step(&self) -> Result<std::sync::MutexGuard<'_, StepState>> {
+        self.step
+            .lock()
+            .map_err(|_| Error::Backend("decode-step lock poisoned".into()))
     }
 
     fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
@@ -226,30 +383,66 @@ impl CudaBackend {
 
     fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
         Ok(CudaTensor {
-            buf: self.alloc(rows * cols)?,
+            buf: self.tmp(rows * cols)?,
             rows,
             cols,
         })
     }
 
-    fn copy(
-        &self,
-        src: &CudaSlice<f32>,
-        src_off: usize,
-        dst: &mut CudaSlice<f32>,
-        dst_off: usize,
-        n: usize,
-    ) -> Result<()> {
+    /// Copies `n` elements between device addresses (stream-ordered).
+    fn copy<T>(&self, src: u64, dst: u64, n: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
+        // SAFETY: callers pass addresses inside live buffers with room for `n` elements.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst,
+                src,
+                n * std::mem::size_of::<T>(),
+                self.cu_stream(),
+            )
+        }
+        .map_err(driver("device copy"))
+    }
+
+    /// Reads a buffer back to the host (waits for the stream).
+    pub fn download_buf<T: DeviceRepr + Default + Clone>(&self, b: &DevBuf<T>) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); b.len];
+        if b.len > 0 {
+            // SAFETY: `out` has room for the buffer's elements; the copy completes before
+            // `synchronize` returns, while `out` is alive.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut out, b.ptr, self.cu_stream()) }
+                .map_err(driver("download"))?;
+        }
         self.dev
             .stream
-            .memcpy_dtod(
-                &src.slice(src_off..src_off + n),
-                &mut dst.slice_mut(dst_off..dst_off + n),
-            )
-            .map_err(driver("device copy"))
+            .synchronize()
+            .map_err(driver("synchronize"))?;
+        Ok(out)
+    }
+
+    /// Makes room for `rows` positions in a KV cache (at most its max_seq), keeping its rows.
+    fn reserve(&self, c: &mut CudaKvCache, rows: usize) -> Result<()> {
+        let rows = rows.min(c.max_seq);
+        if rows <= c.capacity {
+            return Ok(());
+        }
+        if self.recording() {
+            return Err(Error::Backend(
+                "a KV cache grew while a decode step was being recorded".into(),
+            ));
+        }
+        // Geometric growth, so appends stay amortised.
+        let capacity = rows.max(2 * c.capacity).min(c.max_seq);
+        let nk = self.alloc::<f32>(capacity * c.row)?;
+        let nv = self.alloc::<f32>(capacity * c.row)?;
+        self.copy::<f32>(self.ptr(&c.k), self.ptr(&nk), c.len * c.row)?;
+        self.copy::<f32>(self.ptr(&c.v), self.ptr(&nv), c.len * c.row)?;
+        c.k = nk;
+        c.v = nv;
+        c.capacity = capacity;
+        Ok(())
     }
 
     /// RMS norm over rows of `cols` (whole rows or heads), optionally gated by silu(z).
@@ -354,27 +547,20 @@ impl Backend for CudaBackend {
                 data.len()
             )));
         }
+        let owned = self.upload(data)?;
         Ok(CudaTensor {
-            buf: self.upload(data)?,
+            buf: DevBuf {
+                ptr: self.ptr(&owned),
+                len: data.len(),
+                _owned: Some(owned),
+            },
             rows,
             cols,
         })
     }
 
     fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
-        let n = t.rows * t.cols;
-        let mut out = vec![0.0f32; n];
-        if n > 0 {
-            self.dev
-                .stream
-                .memcpy_dtoh(&t.buf.slice(0..n), &mut out)
-                .map_err(driver("download"))?;
-        }
-        self.dev
-            .stream
-            .synchronize()
-            .map_err(driver("synchronize"))?;
-        Ok(out)
+        self.download_buf(&t.buf)
     }
 
     fn tensor_shape(&self, t: &CudaTensor) -> (usize, usize) {
@@ -418,10 +604,10 @@ impl Backend for CudaBackend {
     fn clone_kv_cache(&self, c: &CudaKvCache, len: usize, max_seq: usize) -> Result<CudaKvCache> {
         let len = len.min(c.len);
         let capacity = len.next_multiple_of(256).max(256).min(max_seq).max(len);
-        let mut k = self.alloc(capacity * c.row)?;
-        let mut v = self.alloc(capacity * c.row)?;
-        self.copy(&c.k, 0, &mut k, 0, len * c.row)?;
-        self.copy(&c.v, 0, &mut v, 0, len * c.row)?;
+        let k = self.alloc::<f32>(capacity * c.row)?;
+        let v = self.alloc::<f32>(capacity * c.row)?;
+        self.copy::<f32>(self.ptr(&c.k), self.ptr(&k), len * c.row)?;
+        self.copy::<f32>(self.ptr(&c.v), self.ptr(&v), len * c.row)?;
         Ok(CudaKvCache {
             k,
             v,
@@ -448,8 +634,15 @@ impl Backend for CudaBackend {
             )));
         }
         let b = bits_index(table.bits, &table.name)?;
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let ids = self.upload(&ids)?;
+        // A recorded step reads its token from `params` (written before each replay).
+        let uploaded;
+        let ids = if self.recording() && tokens.len() == 1 {
+            self.ptr(&self.params)
+        } else {
+            let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+            uploaded = self.upload(&ids)?;
+            self.ptr(&uploaded)
+        };
         let out = self.tensor(tokens.len(), table.cols)?;
         if !tokens.is_empty() {
             launch!(
@@ -460,7 +653,7 @@ impl Backend for CudaBackend {
                     self.ptr(&table.codes),
                     self.ptr(&table.scales),
                     self.ptr(&table.biases),
-                    self.ptr(&ids),
+                    ids,
                     self.ptr(&out.buf),
                     table.cols as i32
                 ]
@@ -536,6 +729,78 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn qmatmul_many(&self, x: &CudaTensor, ws: &[&CudaQMatrix]) -> Result<Vec<CudaTensor>> {
+        if x.rows != 1 {
+            return ws.iter().map(|w| self.qmatmul(x, w)).collect();
+        }
+        let mut outs = Vec::with_capacity(ws.len());
+        // Consecutive matrices of one bit width share a launch (at most four per launch).
+        for group in ws.chunk_by(|a, b| a.bits == b.bits) {
+            for part in group.chunks(4) {
+                let b = self.check_q(x.cols, part[0])?;
+                let mut batch = QBatch::default();
+                let mut blocks = 0i32;
+                for (m, w) in part.iter().enumerate() {
+                    self.check_q(x.cols, w)?;
+                    let out = self.tensor(1, w.rows)?;
+                    batch.codes[m] = self.ptr(&w.codes);
+                    batch.scales[m] = self.ptr(&w.scales);
+                    batch.biases[m] = self.ptr(&w.biases);
+                    batch.y[m] = self.ptr(&out.buf);
+                    batch.rows[m] = w.rows as i32;
+                    batch.first_block[m] = blocks;
+                    blocks += w.rows.div_ceil(32) as i32;
+                    outs.push(out);
+                }
+                batch.first_block[part.len()..].fill(blocks);
+                if blocks > 0 {
+                    launch!(
+                        self,
+                        self.k.gemv_batch[b],
+                        cfg((blocks as u32, 1), 256, 4 * x.cols),
+                        [batch, self.ptr(&x.buf), x.cols as i32]
+                    )?;
+                }
+            }
+        }
+        Ok(outs)
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        same_shape(x, y, "add_rms_norm")?;
+        if w.len() < x.cols {
+            return Err(Error::Backend(format!(
+                "add_rms_norm over {} columns with {} gains",
+                x.cols,
+                w.len()
+            )));
+        }
+        let out = self.tensor(x.rows, x.cols)?;
+        if x.rows > 0 {
+            let threads = if x.cols >= 1024 { 256 } else { 128 };
+            launch!(
+                self,
+                self.k.add_rms_norm,
+                cfg((x.rows as u32, 1), threads, 0),
+                [
+                    self.ptr(&x.buf),
+                    self.ptr(&y.buf),
+                    self.ptr(w),
+                    self.ptr(&out.buf),
+                    x.cols as i32,
+                    eps
+                ]
+            )?;
+        }
+        Ok(out)
+    }
+
     fn swiglu(&self, g: &CudaTensor, u: &CudaTensor) -> Result<CudaTensor> {
         same_shape(g, u, "swiglu")?;
         let out = self.tensor(g.rows, g.cols)?;
@@ -555,9 +820,13 @@ impl Backend for CudaBackend {
     }
 
     fn last_row(&self, x: &CudaTensor) -> Result<CudaTensor> {
-        let mut out = self.tensor(1, x.cols)?;
+        let out = self.tensor(1, x.cols)?;
         let start = (x.rows.max(1) - 1) * x.cols;
-        self.copy(&x.buf, start, &mut out.buf, 0, x.cols.min(x.rows * x.cols))?;
+        self.copy::<f32>(
+            self.ptr(&x.buf) + 4 * start as u64,
+            self.ptr(&out.buf),
+            x.cols.min(x.rows * x.cols),
+        )?;
         Ok(out)
     }
 
@@ -565,23 +834,14 @@ impl Backend for CudaBackend {
         if x.rows == 0 {
             return Ok(Vec::new());
         }
-        let ids = self.alloc::<u32>(x.rows)?;
+        let ids = self.tmp::<u32>(x.rows)?;
         launch!(
             self,
             self.k.argmax_rows,
             cfg((x.rows as u32, 1), 1024, 0),
             [self.ptr(&x.buf), self.ptr(&ids), x.cols as i32]
         )?;
-        let mut out = vec![0u32; x.rows];
-        self.dev
-            .stream
-            .memcpy_dtoh(&ids.slice(0..x.rows), &mut out)
-            .map_err(driver("download"))?;
-        self.dev
-            .stream
-            .synchronize()
-            .map_err(driver("synchronize"))?;
-        Ok(out)
+        self.download_buf(&ids)
     }
 
     fn conv1d_silu(
@@ -748,6 +1008,7 @@ impl Backend for CudaBackend {
                 d as i32,
                 sh.rotary_dim as i32,
                 sh.rope_theta,
+                self.pos_ptr(),
                 pos0 as i32
             ]
         )
@@ -780,20 +1041,23 @@ impl Backend for CudaBackend {
                 c.len
             )));
         }
-        if end > c.capacity {
-            // Grow geometrically (at most to max_seq), keeping the rows before pos0.
-            let capacity = end.max(2 * c.capacity).min(c.max_seq);
-            let mut nk = self.alloc(capacity * c.row)?;
-            let mut nv = self.alloc(capacity * c.row)?;
-            self.copy(&c.k, 0, &mut nk, 0, pos0 * c.row)?;
-            self.copy(&c.v, 0, &mut nv, 0, pos0 * c.row)?;
-            c.k = nk;
-            c.v = nv;
-            c.capacity = capacity;
-        }
+        self.reserve(c, end)?;
         let n = k.rows * c.row;
-        self.copy(&k.buf, 0, &mut c.k, pos0 * c.row, n)?;
-        self.copy(&v.buf, 0, &mut c.v, pos0 * c.row, n)?;
+        launch!(
+            self,
+            self.k.kv_write,
+            elementwise(n),
+            [
+                self.ptr(&k.buf),
+                self.ptr(&v.buf),
+                self.ptr(&c.k),
+                self.ptr(&c.v),
+                n as i64,
+                c.row as i32,
+                self.pos_ptr(),
+                pos0 as i32
+            ]
+        )?;
         c.len = end;
         Ok(())
     }
@@ -825,25 +1089,32 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         // Split the keys so that the grid fills the GPU even for one query, without more
-        // partial results than there are useful blocks.
+        // partial results than there are useful blocks. A recorded step sizes the grid for the
+        // longest context of its bucket; splits past the actual keys exit at once.
+        let kv = sh.kv_heads;
+        let bound = if self.recording() {
+            self.bucket.load(Ordering::Relaxed).max(pos0 + t)
+        } else {
+            pos0 + t
+        };
+        let max_splits = (4096 / (t * kv)).clamp(1, 256);
+        let splits = bound.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
+        let chunk = bound.div_ceil(splits);
         let rows = t * h;
-        let len = pos0 + t;
-        let max_splits = (8192 / rows).max(1);
-        let splits = len.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
-        let chunk = len.div_ceil(splits);
-        let part = self.alloc::<f32>(rows * splits * (d + 2))?;
+        let part = self.tmp::<f32>(rows * splits * (d + 2))?;
         launch!(
             self,
             self.k.attention_partial,
-            cfg((rows as u32, splits as u32), 128, 0),
+            cfg(((t * kv) as u32, splits as u32), (32 * (h / kv)) as u32, 0),
             [
                 self.ptr(&q.buf),
                 self.ptr(&c.k),
                 self.ptr(&c.v),
                 self.ptr(&part),
                 h as i32,
-                sh.kv_heads as i32,
+                kv as i32,
                 d as i32,
+                self.pos_ptr(),
                 pos0 as i32,
                 chunk as i32,
                 splits as i32
@@ -884,8 +1155,8 @@ impl Backend for CudaBackend {
             )));
         }
         let t = logits.rows;
-        let ids = self.alloc::<i32>(t * top_k)?;
-        let weights = self.alloc::<f32>(t * top_k)?;
+        let ids = self.tmp::<i32>(t * top_k)?;
+        let weights = self.tmp::<f32>(t * top_k)?;
         if t > 0 {
             launch!(
                 self,
@@ -941,8 +1212,8 @@ impl Backend for CudaBackend {
         if pairs == 0 {
             return Ok(out);
         }
-        let act = self.alloc::<f32>(pairs * inter)?;
-        let y = self.alloc::<f32>(pairs * hidden)?;
+        let act = self.tmp::<f32>(pairs * inter)?;
+        let y = self.tmp::<f32>(pairs * hidden)?;
         launch!(
             self,
             self.k.moe_gate_up[b],
@@ -1018,5 +1289,130 @@ impl Backend for CudaBackend {
                 out.cols as i32
             ]
         )
+    }
+
+    fn decode_step(
+        &self,
+        state: &mut DecodeState<Self>,
+        token: u32,
+        forward: &mut dyn FnMut(&mut DecodeState<Self>) -> Result<CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let pos = state.pos;
+        if !self.graphs || pos >= state.max_seq {
+            return forward(state);
+        }
+        // Recordings are per power-of-two context bucket: the attention grid is sized for the
+        // bucket, and the KV caches must not move while a recording writes into them.
+        let bucket = (pos + 1).next_power_of_two().max(1024).min(state.max_seq);
+        let mut key = vec![bucket as u64];
+        for layer in state.layers.iter_mut() {
+            match layer {
+                LayerState::Gdn(s) => key.extend([self.ptr(&s.window), self.ptr(&s.state)]),
+                LayerState::Attn(c) => {
+                    self.reserve(c, bucket)?;
+                    key.extend([self.ptr(&c.k), self.ptr(&c.v)]);
+                }
+            }
+        }
+        let params = [token as i32, pos as i32];
+        // SAFETY: `params` holds two i32 and is read by the copy before this call returns
+        // (a pageable-memory copy is staged by the driver at once).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                self.ptr(&self.params),
+                &params,
+                self.cu_stream(),
+            )
+        }
+        .map_err(driver("upload"))?;
+        {
+            let st = self.lock_step()?;
+            if let Some(g) = st.graph.as_ref().filter(|g| g.key == key) {
+                g.exec.0.launch().map_err(driver("graph launch"))?;
+                // Keep the attention caches' bookkeeping in step with what the graph wrote.
+                advance(state);
+                return Ok(logits_view(g.logits));
+            }
+        }
+        for attempt in 0..2 {
+            let mut st = self.lock_step()?;
+            st.graph = None;
+            st.used = 0;
+            if st.arena.is_none() || attempt > 0 {
+                let bytes = st.arena.as_ref().map_or(ARENA_BYTES, |a| 2 * a.len());
+                st.arena = None;
+                st.arena = Some(self.alloc::<u8>(bytes)?);
+            }
+            drop(st);
+            self.bucket.store(bucket, Ordering::Relaxed);
+            self.dev
+                .stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .map_err(driver("begin capture"))?;
+            self.capturing.store(true, Ordering::Relaxed);
+            let recorded = forward(state);
+            self.capturing.store(false, Ordering::Relaxed);
+            let graph = self
+                .dev
+                .stream
+                .end_capture(sys::CUgraphInstantiate_flags(0));
+            let logits = match recorded {
+                Ok(t) => t,
+                Err(e) => {
+                    // Nothing ran: undo what the recording pass did to the bookkeeping.
+                    rewind(state, pos);
+                    let full = e.to_string().contains("arena full");
+                    if full && attempt == 0 {
+                        continue;
+                    }
+                    return Err(e);
+                }
+            };
+            let exec = graph
+                .map_err(driver("end capture"))?
+                .ok_or_else(|| Error::Backend("the decode step recorded no graph".into()))?;
+            exec.launch().map_err(driver("graph launch"))?;
+            let view = (logits.buf.ptr, logits.cols);
+            self.lock_step()?.graph = Some(StepGraph {
+                key,
+                exec: GraphExec(exec),
+                logits: view,
+            });
+            return Ok(logits_view(view));
+        }
+        Err(Error::Backend("decode step could not be recorded".into()))
+    }
+}
+
+fn rewind(state: &mut DecodeState<CudaBackend>, pos: usize) {
+    state.pos = pos;
+    for layer in state.layers.iter_mut() {
+        if let LayerState::Attn(c) = layer {
+            c.len = c.len.min(pos);
+        }
+    }
+}
+
+/// What a replayed step does to the host-side state: one more position (the recording's
+/// forward pass did this when it was recorded).
+fn advance(state: &mut DecodeState<CudaBackend>) {
+    state.pos += 1;
+    for layer in state.layers.iter_mut() {
+        if let LayerState::Attn(c) = layer {
+            c.len = state.pos;
+        }
+    }
+}
+
+/// The recorded logits row, valid until the next decode step.
+fn logits_view((ptr, cols): (u64, usize)) -> CudaTensor {
+    CudaTensor {
+        buf: DevBuf {
+            ptr,
+            len: cols,
+            _owned: None,
+        },
+        rows: 1,
+        cols,
     }
 }

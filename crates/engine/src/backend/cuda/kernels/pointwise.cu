@@ -44,6 +44,21 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
     }
 }
 
+// The residual add fused with the next norm: x[r] += y[r], then out[r] = rmsnorm(x[r]) * w.
+// One block per row.
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int cols,
+                                        float eps) {
+    const size_t base = (size_t)blockIdx.x * cols;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = x[base + c] + y[base + c];
+        x[base + c] = v;
+        ss = fmaf(v, v, ss);
+    }
+    const float inv = 1.f / sqrtf(block_sum(ss) / (float)cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[base + c] = x[base + c] * inv * w[c];
+}
+
 // x += y.
 extern "C" __global__ void add_assign(float* x, const float* y, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -116,6 +116,41 @@ extern "C" __global__ void q8_gemv_f32(const u32* codes, const u16* scales, cons
     qgemv<8>({codes, scales, biases}, x, y, rows, cols);
 }
 
+// Up to four matrices of the same width and bit width that read the same x (the fused input
+// projections of a layer): one launch, blocks assigned to matrices in order, ceil(rows_m / 32)
+// each. Passed by value as one kernel parameter.
+struct QBatch {
+    const u32* codes[4];
+    const u16* scales[4];
+    const u16* biases[4];
+    float* y[4];
+    int rows[4];
+    int first_block[5];
+};
+
+template <int BITS>
+__device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __restrict__ x, int cols) {
+    extern __shared__ float xs[];
+    int m = 0;
+    while (m < 3 && (int)blockIdx.x >= b.first_block[m + 1]) ++m;
+    stage_x<BITS>(xs, x, cols);
+    __syncthreads();
+    const int rows = b.rows[m];
+    const int row0 = (int)((blockIdx.x - b.first_block[m]) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS_PER_WARP;
+    if (row0 >= rows) return;
+    float acc[ROWS_PER_WARP] = {};
+    qrows_partial<BITS, ROWS_PER_WARP>({b.codes[m], b.scales[m], b.biases[m]}, row0, rows, cols, xs, acc);
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+        const float v = warp_sum(acc[r]);
+        if ((threadIdx.x & 31) == 0 && row0 + r < rows) b.y[m][row0 + r] = v;
+    }
+}
+
+// Launch with 256 threads, first_block[4] blocks and cols * 4 bytes of shared memory; one token.
+extern "C" __global__ void q4_gemv_batch(QBatch b, const float* x, int cols) { qgemv_batch<4>(b, x, cols); }
+extern "C" __global__ void q8_gemv_batch(QBatch b, const float* x, int cols) { qgemv_batch<8>(b, x, cols); }
+
 // Tiled matrix-matrix product for prefill: y[t][n] = sum_k x[t][k] * w[n][k] over a 64x64 tile
 // of (weight rows, tokens) per block of 256 threads, one 64-column group per step: the group's
 // weights are dequantized once into shared memory and serve 64 tokens. Each thread owns 4x4
