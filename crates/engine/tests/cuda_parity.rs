@@ -659,3 +659,61 @@ fn fused_projections_and_residual_norm_match() {
         }
     }
 }
+
+#[allow(clippy::too_many_arguments)]
+fn moe_block_on<B: Backend>(
+    b: &B,
+    logits: &[f32],
+    x: &[f32],
+    gl: &[f32],
+    w: &[QWeight; 6],
+    t: usize,
+    e: usize,
+    k: usize,
+) -> Vec<f32> {
+    let rt = b.route(&up(b, logits, t, e), k, true).expect("route");
+    let q: Vec<_> = w
+        .iter()
+        .map(|q| b.upload_qmatrix(clone_q(q)).expect("w"))
+        .collect();
+    let out = b
+        .moe_block(
+            &up(b, x, t, w[0].cols),
+            &rt,
+            [&q[0], &q[1], &q[2]],
+            [&q[3], &q[4], &q[5]],
+            &up(b, gl, t, 1),
+        )
+        .expect("moe_block");
+    down(b, &out)
+}
+
+#[test]
+fn moe_block_with_the_shared_expert_matches() {
+    let Some((cpu, gpu)) = backends_or_skip("moe_block_with_the_shared_expert_matches") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(30);
+    // (experts, top_k, hidden, expert intermediate, shared intermediate): the 35B shape, and
+    // tiny-alt's, whose shared expert is narrower than its experts.
+    for (e, k, hidden, inter, inter_s) in [(256, 8, 2048, 512, 512), (8, 4, 192, 128, 64)] {
+        let w = [
+            qweight(&mut rng, e * inter, hidden, 4),
+            qweight(&mut rng, e * inter, hidden, 4),
+            qweight(&mut rng, e * hidden, inter, 4),
+            qweight(&mut rng, inter_s, hidden, 4),
+            qweight(&mut rng, inter_s, hidden, 4),
+            qweight(&mut rng, hidden, inter_s, 4),
+        ];
+        for t in [1, 3] {
+            let logits = randn(&mut rng, t * e, 3.0);
+            let x = randn(&mut rng, t * hidden, 1.0);
+            let gl = randn(&mut rng, t, 3.0);
+            close(
+                &format!("moe_block E={e} k={k} inter {inter} shared {inter_s} T={t}"),
+                &moe_block_on(&gpu, &logits, &x, &gl, &w, t, e, k),
+                &moe_block_on(&cpu, &logits, &x, &gl, &w, t, e, k),
+            );
+        }
+    }
+}

@@ -26,6 +26,10 @@ pub struct BenchArgs {
     /// Also write the JSON report to this file.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
+    /// After the timed run, time each kernel of one more decode step on its own (GPU only)
+    /// and report the cost per kernel.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 pub fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
@@ -54,7 +58,8 @@ fn bench_on<B: engine::backend::Backend>(
 ) -> Result<()> {
     let vocab = eng.config().vocab_size;
     let prompt = bench_prompt(a.prompt_len, vocab);
-    let max_seq = a.prompt_len + a.decode_steps + 1;
+    // One more position for the profiled step.
+    let max_seq = a.prompt_len + a.decode_steps + 2;
 
     // Warm-up on a throwaway state: one prefill chunk and two decode steps.
     {
@@ -84,6 +89,21 @@ fn bench_on<B: engine::backend::Backend>(
         tokens.push(tok);
     }
     let decode_secs = t1.elapsed().as_secs_f64();
+    let profile = if a.profile {
+        let costs = eng.backend.profile(&mut || {
+            let lg = eng.decode_step(tok, &mut state)?;
+            eng.argmax(&lg).map(|_| ())
+        })?;
+        if costs.is_none() {
+            eprintln!(
+                "--profile: the {} backend has no kernels to time",
+                eng.backend_name()
+            );
+        }
+        costs.map(|c| profile_report(&c, decode_secs / a.decode_steps.max(1) as f64))
+    } else {
+        None
+    };
 
     let report = json!({
         "schema_version": 1,
@@ -115,6 +135,7 @@ fn bench_on<B: engine::backend::Backend>(
                 "token_ids": tokens,
             },
         },
+        "profile": profile,
     });
     let text = serde_json::to_string_pretty(&report)?;
     if let Some(p) = &a.json_out {
@@ -131,6 +152,49 @@ fn bench_on<B: engine::backend::Backend>(
         fnv1a64(&tokens)
     );
     Ok(())
+}
+
+/// The profile as JSON, with a table on stderr: kernels by total time, each launch timed on
+/// its own, against the measured step time.
+fn profile_report(costs: &[engine::backend::KernelCost], step_secs: f64) -> serde_json::Value {
+    let total_us: f64 = costs.iter().map(|c| c.micros).sum();
+    let launches: usize = costs.iter().map(|c| c.launches).sum();
+    let bytes: u64 = costs.iter().map(|c| c.weight_bytes).sum();
+    eprintln!(
+        "profile of one decode step: {launches} launches, {total_us:.0} us summed alone \
+         ({:.0} us measured per step), {:.2} GB of weights",
+        step_secs * 1e6,
+        bytes as f64 / 1e9
+    );
+    eprintln!(
+        "{:>9} {:>6} {:>8} {:>8}  kernel",
+        "us", "count", "us/each", "GB/s"
+    );
+    for c in costs {
+        let gbs = if c.weight_bytes > 0 {
+            format!("{:.0}", c.weight_bytes as f64 / (c.micros * 1e3))
+        } else {
+            "-".into()
+        };
+        eprintln!(
+            "{:>9.1} {:>6} {:>8.2} {:>8}  {}",
+            c.micros,
+            c.launches,
+            c.micros / c.launches as f64,
+            gbs,
+            c.kernel
+        );
+    }
+    json!({
+        "method": "each launch of one decode step replayed alone: 20 copies in a CUDA graph, 5 replays; weights may hit L2 when they fit",
+        "step_us_measured": step_secs * 1e6,
+        "sum_alone_us": total_us,
+        "launches": launches,
+        "weight_bytes": bytes,
+        "kernels": costs.iter().map(|c| json!({
+            "kernel": c.kernel, "launches": c.launches, "us": c.micros, "weight_bytes": c.weight_bytes,
+        })).collect::<Vec<_>>(),
+    })
 }
 
 #[cfg(test)]

@@ -37,6 +37,17 @@ pub struct AttnShape {
     pub rope_theta: f64,
 }
 
+/// The cost of one kernel (at one grid size) within a profiled decode step.
+#[derive(Clone, Debug)]
+pub struct KernelCost {
+    pub kernel: String,
+    pub launches: usize,
+    /// Summed over the launches, each timed on its own.
+    pub micros: f64,
+    /// Weight bytes the launches stream (quantized products only; 0 elsewhere).
+    pub weight_bytes: u64,
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// A 2-D activation `[rows, cols]` (rows = tokens), device-resident.
     type Tensor: Send;
@@ -199,6 +210,26 @@ pub trait Backend: Send + Sync + 'static {
         up: &Self::QMatrix,
         down: &Self::QMatrix,
     ) -> Result<Self::Tensor>;
+    /// The whole MoE block: the routed experts mixed by `routing`, plus the shared expert
+    /// `down_s(silu(gate_s h) * up_s h)` weighted by `sigmoid(shared_gate_logit)` (one logit
+    /// per row). `experts` and `shared` are (gate, up, down).
+    fn moe_block(
+        &self,
+        h: &Self::Tensor,
+        routing: &Self::Routing,
+        experts: [&Self::QMatrix; 3],
+        shared: [&Self::QMatrix; 3],
+        shared_gate_logit: &Self::Tensor,
+    ) -> Result<Self::Tensor> {
+        let [gate, up, down] = experts;
+        let mut out = self.moe_experts(h, routing, gate, up, down)?;
+        let [sg, su, sd] = shared;
+        let g = self.qmatmul(h, sg)?;
+        let u = self.qmatmul(h, su)?;
+        let y = self.qmatmul(&self.swiglu(&g, &u)?, sd)?;
+        self.add_sigmoid_gated(&mut out, &y, shared_gate_logit)?;
+        Ok(out)
+    }
     /// `out += sigmoid(gate_logit) * y`, one gate logit per row (`gate_logit` is `[T, 1]`).
     fn add_sigmoid_gated(
         &self,
@@ -208,6 +239,13 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
 
     // ---- decode steps
+    /// Runs `run` (typically one decode step) and, where the backend can, times each kernel
+    /// it launched in isolation. `None` where the backend has no kernels to time.
+    fn profile(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<Option<Vec<KernelCost>>> {
+        run()?;
+        Ok(None)
+    }
+
     /// One single-token decode step feeding `token` at `state.pos`: `forward` runs the model
     /// graph (and advances the state). A backend may record the step's ops once and replay the
     /// recording for later steps on the same state buffers (CUDA graphs); the logits it returns

@@ -283,23 +283,23 @@ impl<B: Backend> Qwen35Moe<B> {
     }
 
     fn moe(&self, b: &B, w: &MoeWeights<B>, h: &B::Tensor) -> Result<B::Tensor> {
-        // Everything that reads h directly: the router and shared-expert gate (8-bit), the
-        // shared expert's gate and up projections.
-        let [router_logits, shared_gate_logit, g, u] = four(b.qmatmul_many(
-            h,
-            &[
-                &w.router,
-                &w.shared_expert_gate,
-                &w.shared_gate,
-                &w.shared_up,
-            ],
-        )?)?;
+        // The router and the shared-expert gate both read h (8-bit both: one launch).
+        let [router_logits, shared_gate_logit] =
+            two(b.qmatmul_many(h, &[&w.router, &w.shared_expert_gate])?)?;
         let routing = b.route(&router_logits, self.cfg.top_k, self.cfg.norm_topk_prob)?;
-        let mut out = b.moe_experts(h, &routing, &w.gate_exps, &w.up_exps, &w.down_exps)?;
-        let shared = b.qmatmul(&b.swiglu(&g, &u)?, &w.shared_down)?;
-        b.add_sigmoid_gated(&mut out, &shared, &shared_gate_logit)?;
-        Ok(out)
+        b.moe_block(
+            h,
+            &routing,
+            [&w.gate_exps, &w.up_exps, &w.down_exps],
+            [&w.shared_gate, &w.shared_up, &w.shared_down],
+            &shared_gate_logit,
+        )
     }
+}
+
+fn two<T>(v: Vec<T>) -> Result<[T; 2]> {
+    v.try_into()
+        .map_err(|_| Error::Backend("qmatmul_many returned the wrong count".into()))
 }
 
 fn three<T>(v: Vec<T>) -> Result<[T; 3]> {

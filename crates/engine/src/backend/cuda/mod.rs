@@ -14,11 +14,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use cudarc::driver::{
     CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
-    LaunchConfig, PushKernelArg, ValidAsZeroBits, sys,
+    LaunchConfig, ValidAsZeroBits, sys,
 };
 
 use self::device::CudaDevice;
-use super::{AttnShape, Backend, GdnShape};
+use super::{AttnShape, Backend, GdnShape, KernelCost};
 use crate::backend::cpu::reference::GDN_L2_EPS;
 use crate::checkpoint::QWeight;
 use crate::error::{Error, Result};
@@ -88,8 +88,9 @@ pub struct CudaRouting {
 
 /// The compiled kernels, looked up once at start.
 struct Kernels {
-    gemv: [CudaFunction; 2],
-    gemv_batch: [CudaFunction; 2],
+    /// `[bits][0]`: four rows per warp; `[bits][1]`: one (small matrices).
+    gemv: [[CudaFunction; 2]; 2],
+    gemv_batch: [[CudaFunction; 2]; 2],
     gemm: [CudaFunction; 2],
     embed: [CudaFunction; 2],
     moe_gate_up: [CudaFunction; 2],
@@ -108,7 +109,8 @@ struct Kernels {
     gdn_recurrence: CudaFunction,
     rope: CudaFunction,
     kv_write: CudaFunction,
-    attention_partial: CudaFunction,
+    /// Head dims 64, 128, 256, 512.
+    attention_partial: [CudaFunction; 4],
     attention_combine: CudaFunction,
 }
 
@@ -122,8 +124,8 @@ impl Kernels {
             ])
         };
         Ok(Kernels {
-            gemv: pair("gemv_f32")?,
-            gemv_batch: pair("gemv_batch")?,
+            gemv: transpose(pair("gemv_f32")?, pair("gemv_r1")?),
+            gemv_batch: transpose(pair("gemv_batch")?, pair("gemv_batch_r1")?),
             gemm: pair("gemm_f32")?,
             embed: pair("embed")?,
             moe_gate_up: pair("moe_gate_up")?,
@@ -142,15 +144,30 @@ impl Kernels {
             gdn_recurrence: f("gdn", "gdn_recurrence")?,
             rope: f("attention", "rope")?,
             kv_write: f("attention", "kv_write")?,
-            attention_partial: f("attention", "attention_partial")?,
+            attention_partial: [
+                f("attention", "attention_partial_d2")?,
+                f("attention", "attention_partial_d4")?,
+                f("attention", "attention_partial_d8")?,
+                f("attention", "attention_partial_d16")?,
+            ],
             attention_combine: f("attention", "attention_combine")?,
         })
     }
 }
 
+/// `[q4, q8]` x two variants -> `[[q4 variant 0, q4 variant 1], [q8 ..., ...]]`.
+fn transpose(a: [CudaFunction; 2], b: [CudaFunction; 2]) -> [[CudaFunction; 2]; 2] {
+    let [a4, a8] = a;
+    let [b4, b8] = b;
+    [[a4, b4], [a8, b8]]
+}
+
 pub struct CudaBackend {
     dev: CudaDevice,
     k: Kernels,
+    /// Streaming multiprocessors: products with fewer blocks than two per SM use one row per
+    /// warp.
+    sms: usize,
     /// `[token, position]` of the decode step being recorded or replayed: recorded kernels read
     /// them from here, so one recording serves every step.
     params: CudaSlice<i32>,
@@ -161,6 +178,11 @@ pub struct CudaBackend {
     /// While recording: the key-length bound that sizes the attention split grid.
     bucket: AtomicUsize,
     graphs: bool,
+    /// Programmatic dependent launch (compute capability 9.0+; `LILY_CUDA_PDL=0` turns it off).
+    pdl: bool,
+    /// While profiling: every launch, for replay in isolation.
+    trace: Mutex<Option<Vec<Traced>>>,
+    tracing: AtomicBool,
 }
 
 /// The recorded decode step and the memory its temporaries live in.
@@ -209,19 +231,55 @@ fn driver(what: &'static str) -> impl Fn(DriverError) -> Error {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
 }
 
-/// Launches `$f` with `$cfg`; every argument is a plain value (device pointers as `u64`), bound
-/// to a local so that it outlives the launch call.
+/// Launches kernel `$f` with `$cfg` and the argument values in brackets (device pointers as
+/// `u64`); `bytes = N` tells the profiler how many weight bytes the launch streams.
 macro_rules! launch {
-    ($be:expr, $f:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
-        let mut lb = $be.dev.stream.launch_builder(&$f);
-        $( let a = $arg; lb.arg(&a); )*
+    ($be:expr, $f:expr, $cfg:expr, [$($arg:expr),* $(,)?] $(, bytes = $bytes:expr)?) => {{
+        #[allow(unused_mut, unused_assignments)]
+        let mut bytes = 0u64;
+        $( bytes = $bytes as u64; )?
         // SAFETY: each kernel's argument list is written next to its launch, in the order and
         // with the types its signature declares; the grids and buffers are sized by the caller
         // for the shapes that the kernel's comment documents.
-        unsafe { lb.launch($cfg) }
-            .map(|_| ())
-            .map_err(driver("kernel launch"))
+        unsafe {
+            $be.launch(
+                &$f,
+                stringify!($f),
+                $cfg,
+                &[$(&$arg as &dyn KernelArg),*],
+                bytes,
+            )
+        }
     }};
+}
+
+/// A kernel argument passed by value, as the bytes the kernel reads.
+trait KernelArg {
+    fn bytes(&self) -> &[u8];
+}
+
+impl<T: bytemuck::NoUninit> KernelArg for T {
+    fn bytes(&self) -> &[u8] {
+        bytemuck::bytes_of(self)
+    }
+}
+
+/// One traced launch, replayable on its own (the profiler times it in isolation).
+struct Traced {
+    label: &'static str,
+    function: sys::CUfunction,
+    cfg: LaunchConfig,
+    args: Vec<Vec<u8>>,
+    bytes: u64,
+}
+
+// SAFETY: the function handle belongs to a module that the backend keeps loaded; it is only
+// launched from the thread that runs the profile.
+unsafe impl Send for Traced {}
+
+/// Weight bytes a quantized product streams: codes plus bf16 scale and bias per 64 columns.
+fn qbytes(rows: usize, cols: usize, bits: u32) -> u64 {
+    (rows * cols * bits as usize / 8 + rows * (cols / 64) * 4) as u64
 }
 
 /// Up to four matrices of one bit width read by one matrix-vector launch (`QBatch` in
@@ -235,10 +293,24 @@ struct QBatch {
     y: [u64; 4],
     rows: [i32; 4],
     first_block: [i32; 5],
+    /// The C struct's tail padding, explicit so that every byte is initialised.
+    _pad: i32,
 }
 
-// SAFETY: plain old data with the kernel-side struct's C layout, passed by value.
-unsafe impl DeviceRepr for QBatch {}
+// SAFETY: repr(C) with no implicit padding (the tail padding is a field).
+unsafe impl bytemuck::NoUninit for QBatch {}
+
+/// One quantized matrix as a kernel parameter (`QMat` in kernels/quant.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct QMatArg {
+    codes: u64,
+    scales: u64,
+    biases: u64,
+}
+
+// SAFETY: repr(C), three u64, no padding.
+unsafe impl bytemuck::NoUninit for QMatArg {}
 
 /// Quantization widths with a kernel: index into the `[q4, q8]` kernel pairs.
 fn bits_index(bits: u32, name: &str) -> Result<usize> {
@@ -289,19 +361,295 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<i32>(2)
             .map_err(driver("allocation"))?;
+        let sms = dev
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver("reading the SM count"))? as usize;
+        let pdl = dev
+            .ctx
+            .compute_capability()
+            .is_ok_and(|(major, _)| major >= 9)
+            && std::env::var("LILY_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(CudaBackend {
             dev,
             k,
+            sms,
             params,
             step: Mutex::new(StepState::default()),
             capturing: AtomicBool::new(false),
             bucket: AtomicUsize::new(0),
             graphs: std::env::var("LILY_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            pdl,
+            trace: Mutex::new(None),
+            tracing: AtomicBool::new(false),
         })
     }
 
     pub fn device(&self) -> &CudaDevice {
         &self.dev
+    }
+
+    /// Launches `f` on the stream (through `launch!`, which lists the arguments).
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list, and `cfg` the grid its comment documents.
+    unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        label: &'static str,
+        cfg: LaunchConfig,
+        args: &[&dyn KernelArg],
+        bytes: u64,
+    ) -> Result<()> {
+        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); 16];
+        if args.len() > params.len() {
+            return Err(Error::Backend(format!(
+                "{label}: too many kernel arguments"
+            )));
+        }
+        for (p, a) in params.iter_mut().zip(args) {
+            *p = a.bytes().as_ptr() as *mut std::ffi::c_void;
+        }
+        self.dev
+            .ctx
+            .bind_to_thread()
+            .map_err(driver("binding the context"))?;
+        // SAFETY: the caller vouches for the argument list; `params` points at values that
+        // live until this call returns, which is all a launch needs.
+        unsafe { self.launch_raw(f.cu_function(), &cfg, &mut params[..args.len()]) }?;
+        if self.tracing.load(Ordering::Relaxed)
+            && let Ok(mut t) = self.trace.lock()
+            && let Some(t) = t.as_mut()
+        {
+            t.push(Traced {
+                label: label.trim_start_matches("self.k."),
+                function: f.cu_function(),
+                cfg,
+                args: args.iter().map(|a| a.bytes().to_vec()).collect(),
+                bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// Microseconds one traced launch takes on its own: 20 copies recorded in a graph, the
+    /// graph replayed 5 times (after a warm-up), divided out. Back-to-back copies find their
+    /// weights in L2 when they fit (50 MB), so small products read faster than in a step.
+    fn time_alone(&self, t: &Traced) -> Result<f64> {
+        const COPIES: usize = 20;
+        const REPLAYS: usize = 5;
+        let stream = &self.dev.stream;
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(driver("begin capture"))?;
+        let mut launched: Result<()> = Ok(());
+        for _ in 0..COPIES {
+            let mut params: Vec<*mut std::ffi::c_void> = t
+                .args
+                .iter()
+                .map(|a| a.as_ptr() as *mut std::ffi::c_void)
+                .collect();
+            // SAFETY: the same function, grid and argument bytes that ran in the traced step.
+            launched = unsafe { self.launch_raw(t.function, &t.cfg, &mut params) };
+            if launched.is_err() {
+                break;
+            }
+        }
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        launched?;
+        let graph = graph
+            .map_err(driver("end capture"))?
+            .ok_or_else(|| Error::Backend("profiling recorded no graph".into()))?;
+        graph.launch().map_err(driver("graph launch"))?;
+        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.dev.ctx.new_event(timed).map_err(driver("event"))?;
+        let stop = self.dev.ctx.new_event(timed).map_err(driver("event"))?;
+        start.record(stream).map_err(driver("event"))?;
+        for _ in 0..REPLAYS {
+            graph.launch().map_err(driver("graph launch"))?;
+        }
+        stop.record(stream).map_err(driver("event"))?;
+        self.dev.synchronize()?;
+        let ms = start.elapsed_ms(&stop).map_err(driver("event"))?;
+        Ok(ms as f64 * 1e3 / (COPIES * REPLAYS) as f64)
+    }
+
+    /// The routed experts of `rt` on `x`, and the shared expert gated by sigmoid(logit) when
+    /// given: one launch for every gate/up product (SwiGLU applied), one for every down
+    /// product, one to mix them (kernels/quant.cu).
+    #[allow(clippy::type_complexity)]
+    fn moe(
+        &self,
+        x: &CudaTensor,
+        rt: &CudaRouting,
+        [gate, up, down]: [&CudaQMatrix; 3],
+        shared: Option<([&CudaQMatrix; 3], &CudaTensor)>,
+    ) -> Result<CudaTensor> {
+        let (t, hidden) = (x.rows, x.cols);
+        let e = rt.num_experts;
+        let inter = gate.rows / e.max(1);
+        let b = self.check_q(hidden, gate)?;
+        self.check_q(hidden, up)?;
+        self.check_q(inter, down)?;
+        if rt.tokens != t
+            || up.rows != gate.rows
+            || !gate.rows.is_multiple_of(e)
+            || down.rows != e * hidden
+            || up.bits != gate.bits
+            || down.bits != gate.bits
+        {
+            return Err(Error::Backend(format!(
+                "moe_experts: stacks {}x{} / {}x{} / {}x{} ({} bits) do not match {e} experts of hidden {hidden}",
+                gate.rows, gate.cols, up.rows, up.cols, down.rows, down.cols, gate.bits
+            )));
+        }
+        let none = QMatArg::default();
+        let (sgate, sup, sdown, logit, inter_s) = match shared {
+            Some(([sg, su, sd], logit)) => {
+                let inter_s = sg.rows;
+                self.check_q(hidden, sg)?;
+                self.check_q(hidden, su)?;
+                self.check_q(inter_s, sd)?;
+                if su.rows != inter_s
+                    || sd.rows != hidden
+                    || [sg.bits, su.bits, sd.bits] != [gate.bits; 3]
+                    || logit.rows != t
+                    || logit.cols != 1
+                {
+                    return Err(Error::Backend(format!(
+                        "moe_block: the shared expert ({}x{}, {} bits) does not match the experts",
+                        sg.rows, sg.cols, sg.bits
+                    )));
+                }
+                (
+                    self.qarg(sg),
+                    self.qarg(su),
+                    self.qarg(sd),
+                    self.ptr(&logit.buf),
+                    inter_s,
+                )
+            }
+            None => (none, none, none, 0, 0),
+        };
+        let pairs = t * rt.top_k;
+        let all = pairs + if shared.is_some() { t } else { 0 };
+        let out = self.tensor(t, hidden)?;
+        if t == 0 {
+            return Ok(out);
+        }
+        let stride = inter.max(inter_s);
+        let act = self.tmp::<f32>(all * stride)?;
+        let y = self.tmp::<f32>(all * hidden)?;
+        let shared_bytes = |rows, cols| {
+            if shared.is_some() {
+                t as u64 * qbytes(rows, cols, gate.bits)
+            } else {
+                0
+            }
+        };
+        launch!(
+            self,
+            self.k.moe_gate_up[b],
+            cfg(((stride as u32).div_ceil(32), all as u32), 256, 4 * hidden),
+            [
+                self.qarg(gate),
+                self.qarg(up),
+                sgate,
+                sup,
+                self.ptr(&rt.ids),
+                self.ptr(&x.buf),
+                act.ptr,
+                rt.top_k as i32,
+                pairs as i32,
+                inter as i32,
+                inter_s as i32,
+                hidden as i32
+            ],
+            bytes = 2
+                * (pairs as u64 * qbytes(inter, hidden, gate.bits) + shared_bytes(inter_s, hidden))
+        )?;
+        launch!(
+            self,
+            self.k.moe_down[b],
+            cfg(((hidden as u32).div_ceil(32), all as u32), 256, 4 * stride),
+            [
+                self.qarg(down),
+                sdown,
+                self.ptr(&rt.ids),
+                act.ptr,
+                y.ptr,
+                pairs as i32,
+                inter as i32,
+                inter_s as i32,
+                hidden as i32
+            ],
+            bytes = pairs as u64 * qbytes(hidden, inter, down.bits) + shared_bytes(hidden, inter_s)
+        )?;
+        launch!(
+            self,
+            self.k.moe_combine,
+            elementwise(t * hidden),
+            [
+                y.ptr,
+                self.ptr(&rt.weights),
+                logit,
+                self.ptr(&out.buf),
+                t as i32,
+                rt.top_k as i32,
+                hidden as i32
+            ]
+        )?;
+        Ok(out)
+    }
+
+    fn qarg(&self, w: &CudaQMatrix) -> QMatArg {
+        QMatArg {
+            codes: self.ptr(&w.codes),
+            scales: self.ptr(&w.scales),
+            biases: self.ptr(&w.biases),
+        }
+    }
+
+    /// Whether a product that would take `blocks` blocks at four rows per warp should use one
+    /// row per warp instead (four times the blocks): below two blocks per SM the GPU idles.
+    fn one_row_per_warp(&self, blocks: usize) -> bool {
+        blocks < 2 * self.sms
+    }
+
+    /// cuLaunchKernelEx, with programmatic dependent launch where the GPU has it (every kernel
+    /// begins with `grid_dep()`, kernels/*.cu), so that a kernel's launch overlaps the tail of
+    /// the one before it.
+    ///
+    /// # Safety
+    /// `params` must match the kernel's parameter list.
+    unsafe fn launch_raw(
+        &self,
+        function: sys::CUfunction,
+        cfg: &LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        // SAFETY: an all-zero attribute is a valid "ignored" value; the id and value are set.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: `config` and `attr` outlive the call; the caller vouches for `params`.
+        unsafe {
+            sys::cuLaunchKernelEx(&config, function, params.as_mut_ptr(), std::ptr::null_mut())
+        }
+        .result()
+        .map_err(driver("kernel launch"))
     }
 
     fn ptr(&self, b: &impl Raw) -> u64 {
@@ -693,10 +1041,12 @@ impl Backend for CudaBackend {
         // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
         // reuse each dequantized tile across 64 tokens.
         if x.rows < 8 {
-            let grid = ((w.rows as u32).div_ceil(32), x.rows as u32);
+            let r1 = self.one_row_per_warp(w.rows.div_ceil(32));
+            let per_block = if r1 { 8 } else { 32 };
+            let grid = ((w.rows as u32).div_ceil(per_block), x.rows as u32);
             launch!(
                 self,
-                self.k.gemv[b],
+                self.k.gemv[b][r1 as usize],
                 cfg(grid, 256, 4 * w.cols),
                 [
                     args.0,
@@ -706,7 +1056,8 @@ impl Backend for CudaBackend {
                     args.4,
                     w.rows as i32,
                     w.cols as i32
-                ]
+                ],
+                bytes = x.rows as u64 * qbytes(w.rows, w.cols, w.bits)
             )?;
         } else {
             let grid = ((w.rows as u32).div_ceil(64), (x.rows as u32).div_ceil(64));
@@ -723,7 +1074,8 @@ impl Backend for CudaBackend {
                     x.rows as i32,
                     w.rows as i32,
                     w.cols as i32
-                ]
+                ],
+                bytes = qbytes(w.rows, w.cols, w.bits)
             )?;
         }
         Ok(out)
@@ -740,6 +1092,8 @@ impl Backend for CudaBackend {
                 let b = self.check_q(x.cols, part[0])?;
                 let mut batch = QBatch::default();
                 let mut blocks = 0i32;
+                let r1 = self.one_row_per_warp(part.iter().map(|w| w.rows.div_ceil(32)).sum());
+                let per_block = if r1 { 8 } else { 32 };
                 for (m, w) in part.iter().enumerate() {
                     self.check_q(x.cols, w)?;
                     let out = self.tensor(1, w.rows)?;
@@ -749,16 +1103,20 @@ impl Backend for CudaBackend {
                     batch.y[m] = self.ptr(&out.buf);
                     batch.rows[m] = w.rows as i32;
                     batch.first_block[m] = blocks;
-                    blocks += w.rows.div_ceil(32) as i32;
+                    blocks += w.rows.div_ceil(per_block) as i32;
                     outs.push(out);
                 }
                 batch.first_block[part.len()..].fill(blocks);
                 if blocks > 0 {
                     launch!(
                         self,
-                        self.k.gemv_batch[b],
+                        self.k.gemv_batch[b][r1 as usize],
                         cfg((blocks as u32, 1), 256, 4 * x.cols),
-                        [batch, self.ptr(&x.buf), x.cols as i32]
+                        [batch, self.ptr(&x.buf), x.cols as i32],
+                        bytes = part
+                            .iter()
+                            .map(|w| qbytes(w.rows, w.cols, w.bits))
+                            .sum::<u64>()
                     )?;
                 }
             }
@@ -834,14 +1192,29 @@ impl Backend for CudaBackend {
         if x.rows == 0 {
             return Ok(Vec::new());
         }
-        let ids = self.tmp::<u32>(x.rows)?;
+        // One packed (value, index) key per row, maximised by atomics across the row's blocks
+        // (kernels/pointwise.cu); zero means no non-NaN value, index 0.
+        let keys = self.tmp::<u64>(x.rows)?;
+        // SAFETY: `keys` holds x.rows u64.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(keys.ptr, 0, 8 * x.rows, self.cu_stream())
+        }
+        .map_err(driver("memset"))?;
         launch!(
             self,
             self.k.argmax_rows,
-            cfg((x.rows as u32, 1), 1024, 0),
-            [self.ptr(&x.buf), self.ptr(&ids), x.cols as i32]
+            cfg(
+                ((x.cols.div_ceil(2048)).max(1) as u32, x.rows as u32),
+                256,
+                0
+            ),
+            [self.ptr(&x.buf), keys.ptr, x.cols as i32]
         )?;
-        self.download_buf(&ids)
+        Ok(self
+            .download_buf(&keys)?
+            .into_iter()
+            .map(|k| if k == 0 { 0 } else { u32::MAX - k as u32 })
+            .collect())
     }
 
     fn conv1d_silu(
@@ -1070,10 +1443,22 @@ impl Backend for CudaBackend {
         pos0: usize,
     ) -> Result<CudaTensor> {
         let (t, h, d) = (q.rows, sh.heads, sh.head_dim);
-        if d % 32 != 0 || d > 512 || sh.kv_heads == 0 || h % sh.kv_heads != 0 || q.cols != h * d {
+        let variant = match d {
+            64 => 0,
+            128 => 1,
+            256 => 2,
+            512 => 3,
+            _ => usize::MAX,
+        };
+        if variant == usize::MAX
+            || sh.kv_heads == 0
+            || h % sh.kv_heads != 0
+            || h / sh.kv_heads > 32
+            || q.cols != h * d
+        {
             return Err(Error::Backend(format!(
                 "attention: {h} heads of {d} over {} KV heads is not supported on CUDA \
-                 (head dims are multiples of 32 up to 512)",
+                 (head dims 64, 128, 256 and 512 are)",
                 sh.kv_heads
             )));
         }
@@ -1097,6 +1482,7 @@ impl Backend for CudaBackend {
         } else {
             pos0 + t
         };
+        // 256 splits at most: the merge kernel keeps one weight per split in shared memory.
         let max_splits = (4096 / (t * kv)).clamp(1, 256);
         let splits = bound.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
         let chunk = bound.div_ceil(splits);
@@ -1104,7 +1490,7 @@ impl Backend for CudaBackend {
         let part = self.tmp::<f32>(rows * splits * (d + 2))?;
         launch!(
             self,
-            self.k.attention_partial,
+            self.k.attention_partial[variant],
             cfg(((t * kv) as u32, splits as u32), (32 * (h / kv)) as u32, 0),
             [
                 self.ptr(&q.buf),
@@ -1113,7 +1499,6 @@ impl Backend for CudaBackend {
                 self.ptr(&part),
                 h as i32,
                 kv as i32,
-                d as i32,
                 self.pos_ptr(),
                 pos0 as i32,
                 chunk as i32,
@@ -1149,10 +1534,8 @@ impl Backend for CudaBackend {
 
     fn route(&self, logits: &CudaTensor, top_k: usize, renormalize: bool) -> Result<CudaRouting> {
         let e = logits.cols;
-        if e == 0 || e > 1024 || top_k == 0 || top_k > 64 || top_k > e {
-            return Err(Error::Backend(format!(
-                "route: top {top_k} of {e} experts is not supported on CUDA (up to 64 of 1024)"
-            )));
+        if e == 0 || top_k == 0 || top_k > e {
+            return Err(Error::Backend(format!("route: top {top_k} of {e} experts")));
         }
         let t = logits.rows;
         let ids = self.tmp::<i32>(t * top_k)?;
@@ -1161,7 +1544,7 @@ impl Backend for CudaBackend {
             launch!(
                 self,
                 self.k.moe_route,
-                cfg((t as u32, 1), 256, 0),
+                cfg((t as u32, 1), 32, 0),
                 [
                     self.ptr(&logits.buf),
                     self.ptr(&ids),
@@ -1189,79 +1572,18 @@ impl Backend for CudaBackend {
         up: &CudaQMatrix,
         down: &CudaQMatrix,
     ) -> Result<CudaTensor> {
-        let (t, hidden) = (x.rows, x.cols);
-        let e = rt.num_experts;
-        let inter = gate.rows / e;
-        let b = self.check_q(hidden, gate)?;
-        self.check_q(hidden, up)?;
-        self.check_q(inter, down)?;
-        if rt.tokens != t
-            || up.rows != gate.rows
-            || !gate.rows.is_multiple_of(e)
-            || down.rows != e * hidden
-            || up.bits != gate.bits
-            || down.bits != gate.bits
-        {
-            return Err(Error::Backend(format!(
-                "moe_experts: stacks {}x{} / {}x{} / {}x{} ({} bits) do not match {e} experts of hidden {hidden}",
-                gate.rows, gate.cols, up.rows, up.cols, down.rows, down.cols, gate.bits
-            )));
-        }
-        let pairs = t * rt.top_k;
-        let out = self.tensor(t, hidden)?;
-        if pairs == 0 {
-            return Ok(out);
-        }
-        let act = self.tmp::<f32>(pairs * inter)?;
-        let y = self.tmp::<f32>(pairs * hidden)?;
-        launch!(
-            self,
-            self.k.moe_gate_up[b],
-            cfg(((inter as u32).div_ceil(32), pairs as u32), 256, 4 * hidden),
-            [
-                self.ptr(&gate.codes),
-                self.ptr(&gate.scales),
-                self.ptr(&gate.biases),
-                self.ptr(&up.codes),
-                self.ptr(&up.scales),
-                self.ptr(&up.biases),
-                self.ptr(&rt.ids),
-                self.ptr(&x.buf),
-                self.ptr(&act),
-                rt.top_k as i32,
-                inter as i32,
-                hidden as i32
-            ]
-        )?;
-        launch!(
-            self,
-            self.k.moe_down[b],
-            cfg(((hidden as u32).div_ceil(32), pairs as u32), 256, 4 * inter),
-            [
-                self.ptr(&down.codes),
-                self.ptr(&down.scales),
-                self.ptr(&down.biases),
-                self.ptr(&rt.ids),
-                self.ptr(&act),
-                self.ptr(&y),
-                inter as i32,
-                hidden as i32
-            ]
-        )?;
-        launch!(
-            self,
-            self.k.moe_combine,
-            elementwise(t * hidden),
-            [
-                self.ptr(&y),
-                self.ptr(&rt.weights),
-                self.ptr(&out.buf),
-                t as i32,
-                rt.top_k as i32,
-                hidden as i32
-            ]
-        )?;
-        Ok(out)
+        self.moe(x, rt, [gate, up, down], None)
+    }
+
+    fn moe_block(
+        &self,
+        h: &CudaTensor,
+        rt: &CudaRouting,
+        experts: [&CudaQMatrix; 3],
+        shared: [&CudaQMatrix; 3],
+        shared_gate_logit: &CudaTensor,
+    ) -> Result<CudaTensor> {
+        self.moe(h, rt, experts, Some((shared, shared_gate_logit)))
     }
 
     fn add_sigmoid_gated(
@@ -1291,6 +1613,47 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn profile(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<Option<Vec<KernelCost>>> {
+        *self
+            .trace
+            .lock()
+            .map_err(|_| Error::Backend("trace lock".into()))? = Some(Vec::new());
+        self.tracing.store(true, Ordering::Relaxed);
+        let ran = run();
+        self.tracing.store(false, Ordering::Relaxed);
+        let traced = self
+            .trace
+            .lock()
+            .map_err(|_| Error::Backend("trace lock".into()))?
+            .take()
+            .unwrap_or_default();
+        ran?;
+        self.dev.synchronize()?;
+        let mut costs: Vec<KernelCost> = Vec::new();
+        for t in &traced {
+            let micros = self.time_alone(t)?;
+            let name = format!(
+                "{} grid {}x{} block {}",
+                t.label, t.cfg.grid_dim.0, t.cfg.grid_dim.1, t.cfg.block_dim.0
+            );
+            match costs.iter_mut().find(|c| c.kernel == name) {
+                Some(c) => {
+                    c.launches += 1;
+                    c.micros += micros;
+                    c.weight_bytes += t.bytes;
+                }
+                None => costs.push(KernelCost {
+                    kernel: name,
+                    launches: 1,
+                    micros,
+                    weight_bytes: t.bytes,
+                }),
+            }
+        }
+        costs.sort_by(|a, b| b.micros.total_cmp(&a.micros));
+        Ok(Some(costs))
+    }
+
     fn decode_step(
         &self,
         state: &mut DecodeState<Self>,
@@ -1298,7 +1661,7 @@ impl Backend for CudaBackend {
         forward: &mut dyn FnMut(&mut DecodeState<Self>) -> Result<CudaTensor>,
     ) -> Result<CudaTensor> {
         let pos = state.pos;
-        if !self.graphs || pos >= state.max_seq {
+        if !self.graphs || pos >= state.max_seq || self.tracing.load(Ordering::Relaxed) {
             return forward(state);
         }
         // Recordings are per power-of-two context bucket: the attention grid is sized for the

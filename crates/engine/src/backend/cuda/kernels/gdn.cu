@@ -1,6 +1,16 @@
 // Gated DeltaNet: the causal depthwise conv with SiLU over the conv window, and the gated delta
 // rule recurrence on the f32 state [Hv, Dv, Dk].
 
+// Programmatic dependent launch (Hopper and newer): wait until the previous kernel's results are
+// visible, then let the next kernel start launching, so that its launch overlaps this kernel's
+// work. Every kernel calls this first; without the launch attribute both are no-ops.
+__device__ __forceinline__ void grid_dep() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -15,7 +25,7 @@ constexpr int MAX_CONV_K = 8;
 // One thread per channel c: y[t][c] = silu(sum_j w[j][c] * h[t + j]) where h is the window (the
 // last K-1 inputs, oldest first) followed by x. The window then keeps the last K-1 inputs.
 extern "C" __global__ void conv1d_silu(const float* x, const float* w, float* window, float* y, int tokens,
-                                       int channels, int k) {
+                                       int channels, int k) { grid_dep();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     float h[MAX_CONV_K];
@@ -55,7 +65,7 @@ constexpr int GDN_WARPS = 4;
 // qkv is the conv output [T, 2*Hk*dk + Hv*dv]; a and b are [T, Hv]; y is [T, Hv*dv].
 extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32)
     gdn_recurrence(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
-                   float* state, float* y, int tokens, int hk, int hv, int dk, int dv, float l2_eps) {
+                   float* state, float* y, int tokens, int hk, int hv, int dk, int dv, float l2_eps) { grid_dep();
     const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row0 = blockIdx.y * (GDN_WARPS * GDN_ROWS_PER_WARP) + warp * GDN_ROWS_PER_WARP;
     const int nk = dk >> 5;

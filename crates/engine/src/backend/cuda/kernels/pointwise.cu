@@ -4,6 +4,16 @@
 
 typedef unsigned int u32;
 
+// Programmatic dependent launch (Hopper and newer): wait until the previous kernel's results are
+// visible, then let the next kernel start launching, so that its launch overlaps this kernel's
+// work. Every kernel calls this first; without the launch attribute both are no-ops.
+__device__ __forceinline__ void grid_dep() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -29,7 +39,7 @@ __device__ __forceinline__ float block_sum(float v) {
 // heads: the per-head norms call this with cols = head_dim). If z is given, the result is
 // multiplied by silu(z[r]) (the GDN output norm).
 extern "C" __global__ void rms_norm(const float* x, const float* w, const float* z, float* out, int cols,
-                                    float eps) {
+                                    float eps) { grid_dep();
     const size_t base = (size_t)blockIdx.x * cols;
     float ss = 0.f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -47,7 +57,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
 // The residual add fused with the next norm: x[r] += y[r], then out[r] = rmsnorm(x[r]) * w.
 // One block per row.
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int cols,
-                                        float eps) {
+                                        float eps) { grid_dep();
     const size_t base = (size_t)blockIdx.x * cols;
     float ss = 0.f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -60,33 +70,33 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
 }
 
 // x += y.
-extern "C" __global__ void add_assign(float* x, const float* y, long long n) {
+extern "C" __global__ void add_assign(float* x, const float* y, long long n) { grid_dep();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 
 // out = silu(g) * u.
-extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long long n) {
+extern "C" __global__ void swiglu(const float* g, const float* u, float* out, long long n) { grid_dep();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = silu(g[i]) * u[i];
 }
 
 // out = x * sigmoid(gate).
-extern "C" __global__ void sigmoid_mul(const float* x, const float* gate, float* out, long long n) {
+extern "C" __global__ void sigmoid_mul(const float* x, const float* gate, float* out, long long n) { grid_dep();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = x[i] * sigmoid(gate[i]);
 }
 
 // out[t][c] += sigmoid(gate_logit[t]) * y[t][c].
 extern "C" __global__ void add_sigmoid_gated(float* out, const float* y, const float* gate_logit, int rows,
-                                            int cols) {
+                                            int cols) { grid_dep();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * cols) return;
     out[i] += sigmoid(gate_logit[i / cols]) * y[i];
 }
 
 // The q projection holds per head [query (d) | gate (d)]: q[t][h][:] and g[t][h][:].
-extern "C" __global__ void split_q_gate(const float* qg, float* q, float* g, int rows, int heads, int d) {
+extern "C" __global__ void split_q_gate(const float* qg, float* q, float* g, int rows, int heads, int d) { grid_dep();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long n = (long long)rows * heads * d;
     if (i >= n) return;
@@ -95,32 +105,35 @@ extern "C" __global__ void split_q_gate(const float* qg, float* q, float* g, int
     g[i] = qg[hd * 2 * d + d + j];
 }
 
-// First index of the maximum of each row; NaN never wins. One block of 1024 threads per row.
-extern "C" __global__ void argmax_rows(const float* x, u32* out, int cols) {
-    __shared__ float bv_s[32];
-    __shared__ int bi_s[32];
-    const float* row = x + (size_t)blockIdx.x * cols;
-    float bv = 0.f;
-    int bi = 0x7fffffff;  // "nothing seen"
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+// First index of the maximum of each row; NaN never wins. Each (value, index) pair is packed in
+// a u64 that orders as the comparison wants: the value's bits made monotonic in the high half,
+// the complement of the index in the low half (a lower index wins a tie). Blocks of a row reduce
+// their slice and combine with one atomicMax into key[row], which starts at 0 ("nothing seen":
+// every packed non-NaN value is larger); the host decodes the winning index.
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u64 pack_max(float v, int i) {
+    const u32 b = __float_as_uint(v);
+    const u32 ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)ordered << 32) | (u64)(0xffffffffu - (u32)i);
+}
+
+// Launch with 256 threads and (ceil(cols / 2048), rows) blocks, key zeroed.
+extern "C" __global__ void argmax_rows(const float* x, u64* key, int cols) { grid_dep();
+    __shared__ u64 part[8];
+    const float* row = x + (size_t)blockIdx.y * cols;
+    u64 best = 0;
+    const int base = blockIdx.x * 2048;
+    const int end = min(base + 2048, cols);
+    for (int c = base + threadIdx.x; c < end; c += blockDim.x) {
         const float v = row[c];
-        if (v == v && (bi == 0x7fffffff || v > bv)) { bv = v; bi = c; }
+        if (v == v) best = max(best, pack_max(v, c));
     }
-    // Combine (value, index) pairs: larger value wins; equal values go to the lower index.
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
-    }
-    if (lane == 0) { bv_s[warp] = bv; bi_s[warp] = bi; }
+    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = best;
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int w = 1; w < nw; ++w) {
-            const float ov = bv_s[w];
-            const int oi = bi_s[w];
-            if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
-        }
-        out[blockIdx.x] = bi == 0x7fffffff ? 0u : (u32)bi;
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) best = max(best, part[w]);
+        if (best) atomicMax(key + blockIdx.y, best);
     }
 }

@@ -10,6 +10,16 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+// Programmatic dependent launch (Hopper and newer): wait until the previous kernel's results are
+// visible, then let the next kernel start launching, so that its launch overlaps this kernel's
+// work. Every kernel calls this first; without the launch attribute both are no-ops.
+__device__ __forceinline__ void grid_dep() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(((u32)v) << 16); }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -82,12 +92,14 @@ __device__ __forceinline__ void qrows_partial(QMat w, int row0, int nrows, int c
     }
 }
 
-// ROWS_PER_WARP rows per warp, 8 warps per block (256 threads): 32 rows per block.
+// Rows per warp of the expert products; 8 warps per block (256 threads): 32 rows per block.
 constexpr int ROWS_PER_WARP = 4;
 
-// y[t][r] = sum_c w[r][c] * x[t][c] for one token per blockIdx.y. Launch with 256 threads,
-// (ceil(rows / 32), tokens) blocks and cols * 4 bytes of dynamic shared memory.
-template <int BITS>
+// y[t][r] = sum_c w[r][c] * x[t][c] for one token per blockIdx.y, R rows per warp: R = 4
+// reuses each staged x value for four rows (large matrices); R = 1 spreads a small matrix over
+// four times as many blocks, so that it still occupies the whole GPU. Launch with 256 threads,
+// (ceil(rows / (8 * R)), tokens) blocks and cols * 4 bytes of dynamic shared memory.
+template <int BITS, int R>
 __device__ __forceinline__ void qgemv(QMat w, const float* __restrict__ x, float* __restrict__ y, int rows,
                                       int cols) {
     extern __shared__ float xs[];
@@ -95,26 +107,26 @@ __device__ __forceinline__ void qgemv(QMat w, const float* __restrict__ x, float
     y += (size_t)blockIdx.y * rows;
     stage_x<BITS>(xs, x, cols);
     __syncthreads();
-    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS_PER_WARP;
+    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
     if (row0 >= rows) return;
-    float acc[ROWS_PER_WARP] = {};
-    qrows_partial<BITS, ROWS_PER_WARP>(w, row0, rows, cols, xs, acc);
+    float acc[R] = {};
+    qrows_partial<BITS, R>(w, row0, rows, cols, xs, acc);
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+    for (int r = 0; r < R; ++r) {
         const float v = warp_sum(acc[r]);
         if ((threadIdx.x & 31) == 0 && row0 + r < rows) y[row0 + r] = v;
     }
 }
 
-extern "C" __global__ void q4_gemv_f32(const u32* codes, const u16* scales, const u16* biases,
-                                       const float* x, float* y, int rows, int cols) {
-    qgemv<4>({codes, scales, biases}, x, y, rows, cols);
-}
-
-extern "C" __global__ void q8_gemv_f32(const u32* codes, const u16* scales, const u16* biases,
-                                       const float* x, float* y, int rows, int cols) {
-    qgemv<8>({codes, scales, biases}, x, y, rows, cols);
-}
+#define QGEMV(BITS, R, NAME)                                                                             \
+    extern "C" __global__ void NAME(const u32* codes, const u16* scales, const u16* biases, const float* x, \
+                                    float* y, int rows, int cols) { grid_dep();                                      \
+        qgemv<BITS, R>({codes, scales, biases}, x, y, rows, cols);                                        \
+    }
+QGEMV(4, 4, q4_gemv_f32)
+QGEMV(8, 4, q8_gemv_f32)
+QGEMV(4, 1, q4_gemv_r1)
+QGEMV(8, 1, q8_gemv_r1)
 
 // Up to four matrices of the same width and bit width that read the same x (the fused input
 // projections of a layer): one launch, blocks assigned to matrices in order, ceil(rows_m / 32)
@@ -128,7 +140,7 @@ struct QBatch {
     int first_block[5];
 };
 
-template <int BITS>
+template <int BITS, int R>
 __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __restrict__ x, int cols) {
     extern __shared__ float xs[];
     int m = 0;
@@ -136,20 +148,23 @@ __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __rest
     stage_x<BITS>(xs, x, cols);
     __syncthreads();
     const int rows = b.rows[m];
-    const int row0 = (int)((blockIdx.x - b.first_block[m]) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS_PER_WARP;
+    const int row0 = (int)((blockIdx.x - b.first_block[m]) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
     if (row0 >= rows) return;
-    float acc[ROWS_PER_WARP] = {};
-    qrows_partial<BITS, ROWS_PER_WARP>({b.codes[m], b.scales[m], b.biases[m]}, row0, rows, cols, xs, acc);
+    float acc[R] = {};
+    qrows_partial<BITS, R>({b.codes[m], b.scales[m], b.biases[m]}, row0, rows, cols, xs, acc);
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+    for (int r = 0; r < R; ++r) {
         const float v = warp_sum(acc[r]);
         if ((threadIdx.x & 31) == 0 && row0 + r < rows) b.y[m][row0 + r] = v;
     }
 }
 
-// Launch with 256 threads, first_block[4] blocks and cols * 4 bytes of shared memory; one token.
-extern "C" __global__ void q4_gemv_batch(QBatch b, const float* x, int cols) { qgemv_batch<4>(b, x, cols); }
-extern "C" __global__ void q8_gemv_batch(QBatch b, const float* x, int cols) { qgemv_batch<8>(b, x, cols); }
+// Launch with 256 threads, first_block[4] blocks (each matrix ceil(rows / (8 * R))) and
+// cols * 4 bytes of shared memory; one token.
+extern "C" __global__ void q4_gemv_batch(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<4, 4>(b, x, cols); }
+extern "C" __global__ void q8_gemv_batch(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<8, 4>(b, x, cols); }
+extern "C" __global__ void q4_gemv_batch_r1(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<4, 1>(b, x, cols); }
+extern "C" __global__ void q8_gemv_batch_r1(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<8, 1>(b, x, cols); }
 
 // Tiled matrix-matrix product for prefill: y[t][n] = sum_k x[t][k] * w[n][k] over a 64x64 tile
 // of (weight rows, tokens) per block of 256 threads, one 64-column group per step: the group's
@@ -215,12 +230,12 @@ __device__ __forceinline__ void qgemm(QMat w, const float* __restrict__ x, float
 
 // Launch with 256 threads and (ceil(rows / 64), ceil(tokens / 64)) blocks.
 extern "C" __global__ void q4_gemm_f32(const u32* codes, const u16* scales, const u16* biases,
-                                       const float* x, float* y, int tokens, int rows, int cols) {
+                                       const float* x, float* y, int tokens, int rows, int cols) { grid_dep();
     qgemm<4>({codes, scales, biases}, x, y, tokens, rows, cols);
 }
 
 extern "C" __global__ void q8_gemm_f32(const u32* codes, const u16* scales, const u16* biases,
-                                       const float* x, float* y, int tokens, int rows, int cols) {
+                                       const float* x, float* y, int tokens, int rows, int cols) { grid_dep();
     qgemm<8>({codes, scales, biases}, x, y, tokens, rows, cols);
 }
 
@@ -239,73 +254,77 @@ __device__ __forceinline__ void embed_rows(QMat w, const int* ids, float* out, i
 }
 
 extern "C" __global__ void q4_embed(const u32* codes, const u16* scales, const u16* biases, const int* ids,
-                                    float* out, int cols) {
+                                    float* out, int cols) { grid_dep();
     embed_rows<4>({codes, scales, biases}, ids, out, cols);
 }
 
 extern "C" __global__ void q8_embed(const u32* codes, const u16* scales, const u16* biases, const int* ids,
-                                    float* out, int cols) {
+                                    float* out, int cols) { grid_dep();
     embed_rows<8>({codes, scales, biases}, ids, out, cols);
 }
 
-// ---- routed experts. Pair p = t * top_k + j is token t's j-th chosen expert ids[p].
+// ---- the mixture-of-experts block. Pair p < pairs is token p / top_k's (p % top_k)-th chosen
+// expert ids[p]; pair pairs + t is token t's shared expert (its own matrices, `inter_s` rows).
+// Activations act[p] hold `stride` = max(inter, inter_s) floats, outputs y[p] `hidden`.
 
-// act[p][r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]) for the chosen experts only: each block
-// covers 32 rows of one pair, reading the gate and up rows of that expert alone.
-// Launch with 256 threads, (ceil(inter / 32), pairs) blocks, hidden * 4 bytes of shared memory.
+// act[p][r] = silu(gate[r] . x[t]) * (up[r] . x[t]) for the chosen experts and the shared
+// expert only. Launch with 256 threads, (ceil(stride / 32), pairs + tokens) blocks and
+// hidden * 4 bytes of shared memory.
 template <int BITS>
-__device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, const int* ids, const float* x, float* act,
-                                            int top_k, int inter, int hidden) {
-    constexpr int PER_WORD = 32 / BITS;
-    extern __shared__ float xs[];
-    const int p = blockIdx.y, t = p / top_k;
-    const size_t e = (size_t)ids[p];
-    const size_t wofs = e * inter * (hidden / PER_WORD), gofs = e * inter * (hidden >> 6);
-    const QMat g = {gate.codes + wofs, gate.scales + gofs, gate.biases + gofs};
-    const QMat u = {up.codes + wofs, up.scales + gofs, up.biases + gofs};
-    stage_x<BITS>(xs, x + (size_t)t * hidden, hidden);
-    __syncthreads();
-    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS_PER_WARP;
-    if (row0 >= inter) return;
-    float ag[ROWS_PER_WARP] = {}, au[ROWS_PER_WARP] = {};
-    qrows_partial<BITS, ROWS_PER_WARP>(g, row0, inter, hidden, xs, ag);
-    qrows_partial<BITS, ROWS_PER_WARP>(u, row0, inter, hidden, xs, au);
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
-        const float gv = warp_sum(ag[r]), uv = warp_sum(au[r]);
-        if ((threadIdx.x & 31) == 0 && row0 + r < inter) act[(size_t)p * inter + row0 + r] = silu(gv) * uv;
-    }
-}
-
-extern "C" __global__ void q4_moe_gate_up(const u32* gc, const u16* gs, const u16* gb, const u32* uc,
-                                          const u16* us, const u16* ub, const int* ids, const float* x,
-                                          float* act, int top_k, int inter, int hidden) {
-    moe_gate_up<4>({gc, gs, gb}, {uc, us, ub}, ids, x, act, top_k, inter, hidden);
-}
-
-extern "C" __global__ void q8_moe_gate_up(const u32* gc, const u16* gs, const u16* gb, const u32* uc,
-                                          const u16* us, const u16* ub, const int* ids, const float* x,
-                                          float* act, int top_k, int inter, int hidden) {
-    moe_gate_up<8>({gc, gs, gb}, {uc, us, ub}, ids, x, act, top_k, inter, hidden);
-}
-
-// y[p][r] = down_e[r] . act[p]. Launch with 256 threads, (ceil(hidden / 32), pairs) blocks,
-// inter * 4 bytes of shared memory.
-template <int BITS>
-__device__ __forceinline__ void moe_down(QMat down, const int* ids, const float* act, float* y, int inter,
-                                         int hidden) {
+__device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
+                                            const float* x, float* act, int top_k, int pairs, int inter,
+                                            int inter_s, int hidden) {
     constexpr int PER_WORD = 32 / BITS;
     extern __shared__ float xs[];
     const int p = blockIdx.y;
-    const size_t e = (size_t)ids[p];
-    const size_t wofs = e * hidden * (inter / PER_WORD), gofs = e * hidden * (inter >> 6);
-    const QMat d = {down.codes + wofs, down.scales + gofs, down.biases + gofs};
-    stage_x<BITS>(xs, act + (size_t)p * inter, inter);
+    const bool shared = p >= pairs;
+    const int t = shared ? p - pairs : p / top_k;
+    const int rows = shared ? inter_s : inter;
+    QMat g = sgate, u = sup;
+    if (!shared) {
+        const size_t e = (size_t)ids[p];
+        const size_t wofs = e * inter * (hidden / PER_WORD), gofs = e * inter * (hidden >> 6);
+        g = {gate.codes + wofs, gate.scales + gofs, gate.biases + gofs};
+        u = {up.codes + wofs, up.scales + gofs, up.biases + gofs};
+    }
+    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS_PER_WARP;
+    if ((int)(blockIdx.x * (blockDim.x >> 5)) * ROWS_PER_WARP >= rows) return;  // whole block idle
+    stage_x<BITS>(xs, x + (size_t)t * hidden, hidden);
+    __syncthreads();
+    if (row0 >= rows) return;
+    float ag[ROWS_PER_WARP] = {}, au[ROWS_PER_WARP] = {};
+    qrows_partial<BITS, ROWS_PER_WARP>(g, row0, rows, hidden, xs, ag);
+    qrows_partial<BITS, ROWS_PER_WARP>(u, row0, rows, hidden, xs, au);
+    const int stride = max(inter, inter_s);
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+        const float gv = warp_sum(ag[r]), uv = warp_sum(au[r]);
+        if ((threadIdx.x & 31) == 0 && row0 + r < rows) act[(size_t)p * stride + row0 + r] = silu(gv) * uv;
+    }
+}
+
+// y[p][r] = down[r] . act[p]. Launch with 256 threads, (ceil(hidden / 32), pairs + tokens)
+// blocks, stride * 4 bytes of shared memory.
+template <int BITS>
+__device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, const float* act, float* y,
+                                         int pairs, int inter, int inter_s, int hidden) {
+    constexpr int PER_WORD = 32 / BITS;
+    extern __shared__ float xs[];
+    const int p = blockIdx.y;
+    const bool shared = p >= pairs;
+    const int cols = shared ? inter_s : inter;
+    QMat d = sdown;
+    if (!shared) {
+        const size_t e = (size_t)ids[p];
+        const size_t wofs = e * hidden * (inter / PER_WORD), gofs = e * hidden * (inter >> 6);
+        d = {down.codes + wofs, down.scales + gofs, down.biases + gofs};
+    }
+    stage_x<BITS>(xs, act + (size_t)p * max(inter, inter_s), cols);
     __syncthreads();
     const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS_PER_WARP;
     if (row0 >= hidden) return;
     float acc[ROWS_PER_WARP] = {};
-    qrows_partial<BITS, ROWS_PER_WARP>(d, row0, hidden, inter, xs, acc);
+    qrows_partial<BITS, ROWS_PER_WARP>(d, row0, hidden, cols, xs, acc);
 #pragma unroll
     for (int r = 0; r < ROWS_PER_WARP; ++r) {
         const float v = warp_sum(acc[r]);
@@ -313,85 +332,82 @@ __device__ __forceinline__ void moe_down(QMat down, const int* ids, const float*
     }
 }
 
-extern "C" __global__ void q4_moe_down(const u32* dc, const u16* ds, const u16* db, const int* ids,
-                                       const float* act, float* y, int inter, int hidden) {
-    moe_down<4>({dc, ds, db}, ids, act, y, inter, hidden);
-}
+#define MOE_KERNELS(BITS)                                                                                   \
+    extern "C" __global__ void q##BITS##_moe_gate_up(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,  \
+                                                     const float* x, float* act, int top_k, int pairs,      \
+                                                     int inter, int inter_s, int hidden) { grid_dep();                  \
+        moe_gate_up<BITS>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter, inter_s, hidden);         \
+    }                                                                                                       \
+    extern "C" __global__ void q##BITS##_moe_down(QMat down, QMat sdown, const int* ids, const float* act,  \
+                                                  float* y, int pairs, int inter, int inter_s, int hidden) { grid_dep(); \
+        moe_down<BITS>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);                            \
+    }
+MOE_KERNELS(4)
+MOE_KERNELS(8)
 
-extern "C" __global__ void q8_moe_down(const u32* dc, const u16* ds, const u16* db, const int* ids,
-                                       const float* act, float* y, int inter, int hidden) {
-    moe_down<8>({dc, ds, db}, ids, act, y, inter, hidden);
-}
-
-// out[t][c] = sum_j weights[t*k+j] * y[t*k+j][c], in the order j = 0..k-1 (as the reference adds).
-extern "C" __global__ void moe_combine(const float* y, const float* weights, float* out, int tokens, int top_k,
-                                       int hidden) {
+// out[t][c] = sum_j weights[t*k+j] * y[t*k+j][c] (in the order j = 0..k-1, as the reference
+// adds), then + sigmoid(shared_logit[t]) * y[pairs + t][c] when there is a shared expert.
+extern "C" __global__ void moe_combine(const float* y, const float* weights, const float* shared_logit,
+                                       float* out, int tokens, int top_k, int hidden) { grid_dep();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)tokens * hidden) return;
     const size_t t = i / hidden, c = i % hidden;
     float acc = 0.f;
     for (int j = 0; j < top_k; ++j) acc = fmaf(weights[t * top_k + j], y[(t * top_k + j) * hidden + c], acc);
+    if (shared_logit) {
+        const size_t pairs = (size_t)tokens * top_k;
+        acc += y[(pairs + t) * hidden + c] / (1.f + expf(-shared_logit[t]));
+    }
     out[i] = acc;
 }
 
-// Softmax over each token's router logits, then top-k by repeated block argmax (ties to the
-// lowest expert id, comparing logits as the reference does), optionally renormalised over the
-// chosen k. One block of 256 threads per token; experts <= 1024.
+// Softmax over each token's router logits, then the top k (ties to the lowest expert id,
+// comparing logits as the reference does), optionally renormalised over the chosen k. One warp
+// per token. Each (logit, id) is packed in a u64 that orders like the comparison (the logit's
+// bits made monotonic, then the complement of the id), so round j picks the largest key below
+// round j-1's: no marking of chosen experts, and no shared memory.
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u64 pack_max(float v, int i) {
+    const u32 b = __float_as_uint(v);
+    const u32 ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)ordered << 32) | (u64)(0xffffffffu - (u32)i);
+}
+
 extern "C" __global__ void moe_route(const float* logits, int* ids, float* weights, int experts, int top_k,
-                                     int renormalize) {
-    __shared__ float l[1024];
-    __shared__ float red_v[32];
-    __shared__ int red_i[32];
-    __shared__ float chosen_p[64];
-    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) l[e] = logits[(size_t)t * experts + e];
-    __syncthreads();
-    // max and sum of exp
+                                     int renormalize) { grid_dep();
+    const int t = blockIdx.x, lane = threadIdx.x & 31;
+    const float* l = logits + (size_t)t * experts;
     float m = NEG_INF;
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) m = fmaxf(m, l[e]);
+    for (int e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) red_v[warp] = m;
-    __syncthreads();
-    m = red_v[0];
-    for (int w = 1; w < nw; ++w) m = fmaxf(m, red_v[w]);
-    __syncthreads();
     float z = 0.f;
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) z += expf(l[e] - m);
+    for (int e = lane; e < experts; e += 32) z += expf(l[e] - m);
     z = warp_sum(z);
-    if (lane == 0) red_v[warp] = z;
-    __syncthreads();
-    z = 0.f;
-    for (int w = 0; w < nw; ++w) z += red_v[w];
-    __syncthreads();
+    u64 prev = ~0ull;
+    float total = 0.f;
     for (int j = 0; j < top_k; ++j) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-        for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        u64 best = 0;
+        for (int e = lane; e < experts; e += 32) {
             const float v = l[e];
-            if (v > bv || (v == bv && e < bi)) { bv = v; bi = e; }
+            if (v == v) {
+                const u64 key = pack_max(v, e);
+                if (key < prev && key > best) best = key;
+            }
         }
         for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+            const u64 other = __shfl_xor_sync(0xffffffffu, best, o);
+            best = other > best ? other : best;
         }
-        if (lane == 0) { red_v[warp] = bv; red_i[warp] = bi; }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float v = red_v[0];
-            int i = red_i[0];
-            for (int w = 1; w < nw; ++w)
-                if (red_v[w] > v || (red_v[w] == v && red_i[w] < i)) { v = red_v[w]; i = red_i[w]; }
-            if (i >= experts) i = 0;  // every logit NaN: expert 0, as the reference's sort leaves it
-            ids[t * top_k + j] = i;
-            chosen_p[j] = expf(l[i] - m) / z;
-            l[i] = __int_as_float(0x7fc00000u);  // NaN: never chosen again
+        prev = best;
+        const int id = best ? (int)(0xffffffffu - (u32)best) : 0;  // all NaN: expert 0
+        const float p = expf(l[id] - m) / z;
+        total += p;
+        if (lane == 0) {
+            ids[t * top_k + j] = id;
+            weights[t * top_k + j] = p;
         }
-        __syncthreads();
     }
-    if (threadIdx.x == 0) {
-        float total = 0.f;
-        for (int j = 0; j < top_k; ++j) total += chosen_p[j];
-        for (int j = 0; j < top_k; ++j) weights[t * top_k + j] = renormalize ? chosen_p[j] / total : chosen_p[j];
-    }
+    if (lane == 0 && renormalize)
+        for (int j = 0; j < top_k; ++j) weights[t * top_k + j] /= total;
 }
