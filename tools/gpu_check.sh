@@ -54,7 +54,7 @@ run_api() { # name model-dir extra-env...
   python_deps || { record "$name" "FAIL (pip, see pip.log)"; return; }
   note "API tests ($name, $model)"
   if env PYTHONPATH=/tmp/pyapi LILY_BIN="$ROOT/.device/lily" LILY_TEST_DEVICE=cuda \
-      LILY_TEST_MODEL="$model" "$@" python3 -m pytest tests/api -q -p no:cacheprovider \
+      LILY_TEST_MODEL="$model" "$@" python3 -m pytest tests/api -q -rs -p no:cacheprovider \
       --basetemp=/tmp/pytest-$name >"$OUT/$name.log" 2>&1; then
     record "$name" "pass ($(tail -1 "$OUT/$name.log"))"
   else

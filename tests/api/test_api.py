@@ -36,6 +36,18 @@ ROOT = Path(__file__).resolve().parents[2]
 # GPU machine runs them with --device cuda on the tiny fixture and on the synthetic 35B).
 MODEL_DIR = Path(os.environ.get("LILY_TEST_MODEL", str(ROOT / "tests" / "fixtures" / "tiny-qwen3_5_moe")))
 DEVICE = os.environ.get("LILY_TEST_DEVICE", "cpu")
+# Some assertions check properties of the tiny fixture's picked prompts (not of the API); on
+# another checkpoint a test whose picked prompt lacks the property skips, saying why.
+ON_FIXTURE = "LILY_TEST_MODEL" not in os.environ
+
+
+def fixture_property(ok: bool, what: str) -> None:
+    """Asserts a property of the fixture's picked prompts; elsewhere skips without it."""
+    if ok:
+        return
+    if ON_FIXTURE:
+        raise AssertionError(f"fixture changed: {what}")
+    pytest.skip(f"{MODEL_DIR.name}: {what} (a property of the tiny fixture's picked prompts)")
 MODEL_ID = MODEL_DIR.name  # the served id: the model directory's name
 LILY_BIN = Path(os.environ.get("LILY_BIN", str(ROOT / "target" / "release" / "lily")))
 if not LILY_BIN.is_absolute():
@@ -209,7 +221,7 @@ def http(server):
 def lily_generate(*args: str) -> dict:
     """`lily generate --model DIR ARGS --json`, parsed."""
     _require_binary()
-    cmd = [str(LILY_BIN), "generate", "--model", str(MODEL_DIR), "--device", "cpu", *args, "--json"]
+    cmd = [str(LILY_BIN), "generate", "--model", str(MODEL_DIR), "--device", DEVICE, *args, "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}"
     return json.loads(p.stdout)
@@ -461,7 +473,7 @@ def test_thinking_on_splits_reasoning(client):
     token is reasoning: reasoning_content = lily generate's text, content empty."""
     n = 24
     g = lily_generate("--prompt", GREEDY_PROMPT, "--chat", "--max-tokens", str(n))
-    assert 248069 not in g["tokens"], "fixture changed: the greedy answer closes </think>"
+    fixture_property(248069 not in g["tokens"], "the greedy answer closes </think>")
     r = greedy_chat(client, GREEDY_PROMPT, max_tokens=n, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     msg = r.choices[0].message
     reasoning = extra(msg, "reasoning_content")
@@ -630,9 +642,14 @@ def _check_cache_covers_previous_turns(turns, label):
         p1, c1 = prev.usage.prompt_tokens, prev.usage.completion_tokens
         cached = cur.usage.prompt_tokens_details.cached_tokens
         assert cur.usage.prompt_tokens > p1 + c1, cur.usage
-        assert cached >= p1 + c1 - 3, (
-            f"{label}: cached_tokens {cached} < previous prompt {p1} + answer {c1} - 3 (this prompt {cur.usage.prompt_tokens}): "
-            "the session cache does not cover the previous turn's prompt and answer")
+        # The previous prompt is always reused: the cache keeps a snapshot at its last token but one.
+        assert cached >= p1 - 1, f"{label}: cached_tokens {cached} < previous prompt {p1} - 1: the session cache missed"
+        # The answer too, where its text re-tokenizes to the generated tokens, as a real model's
+        # answers and the fixture's picked prompts do (random weights' noise tokens need not).
+        fixture_property(cached >= p1 + c1 - 3, (
+            f"{label}: cached_tokens {cached} < previous prompt {p1} + answer {c1} - 3 (this prompt "
+            f"{cur.usage.prompt_tokens}): the session cache does not cover the previous answer, or the "
+            "answer's text does not re-tokenize to the generated tokens"))
 
 
 def test_multi_turn_prefix_cache(client, log_dir):
@@ -640,15 +657,15 @@ def test_multi_turn_prefix_cache(client, log_dir):
     off = _turns(client, TURN1_PROMPT, ["Tell me more.", "And then?"], thinking=False, key="conv-off")
     for _, r in off[:-1]:
         a = r.choices[0].message.content
-        assert a and a == a.rstrip(), f"fixture changed: the answer {a!r} ends in whitespace, which the template trims from history; pick another TURN1_PROMPT"
+        fixture_property(bool(a) and a == a.rstrip(), f"the answer {a!r} ends in whitespace, which the template trims from history; pick another TURN1_PROMPT")
     _check_cache_covers_previous_turns(off, "thinking off")
     # Thinking on, the reasoning sent back as reasoning_content (the tiny model never closes
     # </think>, so each answer is all reasoning).
     on = _turns(client, THINK_TURN1_PROMPT, ["Go on."], thinking=True, key="conv-on")
     rc = extra(on[0][1].choices[0].message, "reasoning_content")
-    assert rc and rc == rc.strip() and "\ufffd" not in rc, (
-        f"fixture changed: the reasoning {rc!r} has surrounding whitespace (the template trims it) or a U+FFFD "
-        "(bytes that are not UTF-8 do not survive the round trip); pick another THINK_TURN1_PROMPT")
+    fixture_property(bool(rc) and rc == rc.strip() and "\ufffd" not in rc, (
+        f"the reasoning {rc!r} has surrounding whitespace (the template trims it) or a U+FFFD "
+        "(bytes that are not UTF-8 do not survive the round trip); pick another THINK_TURN1_PROMPT"))
     _check_cache_covers_previous_turns(on, "thinking on")
     # Resuming from the cache computes what a cold run computes: the same turns on a server
     # without a cache give the same answers, with nothing cached.

@@ -682,7 +682,10 @@ impl CudaBackend {
 
     /// A temporary of `n` elements: from the pool, or from the arena while recording.
     fn tmp<T: DeviceRepr>(&self, n: usize) -> Result<DevBuf<T>> {
-        if !self.recording() {
+        // While profiling, temporaries must outlive the step too: the profiler replays its
+        // launches afterwards, and a pool buffer freed mid-step is reused by the next op (a
+        // replayed expert product would then read garbage expert ids).
+        if !self.recording() && !self.tracing.load(Ordering::Relaxed) {
             let owned = self.alloc::<T>(n)?;
             return Ok(DevBuf {
                 ptr: self.ptr(&owned),
@@ -1614,6 +1617,16 @@ impl Backend for CudaBackend {
     }
 
     fn profile(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<Option<Vec<KernelCost>>> {
+        {
+            // The traced step's temporaries go to the arena (see `tmp`); the recorded step
+            // that owned it is dropped and recorded again at the next decode step.
+            let mut st = self.lock_step()?;
+            st.graph = None;
+            st.used = 0;
+            if st.arena.is_none() {
+                st.arena = Some(self.alloc::<u8>(ARENA_BYTES)?);
+            }
+        }
         *self
             .trace
             .lock()
