@@ -983,3 +983,23 @@ def test_sigterm_drains_in_flight_and_exits_zero(log_dir):
     q = queued.get("r")
     assert q is not None and q.status_code == 200 and q.json()["usage"]["completion_tokens"] == n, f"the queued request must be served before the exit: {q and describe(q)}"
     assert rc == 0, f"exit code {rc} after SIGTERM\n{srv.log_tail()}"
+
+
+# --------------------------------------------------------------------------------------------
+# --device cuda without a GPU
+# --------------------------------------------------------------------------------------------
+
+
+def test_device_cuda_without_a_gpu_is_a_clear_error():
+    """Where no GPU is usable, `--device cuda` fails at start and says why (serve and generate)."""
+    _require_binary()
+    probe = subprocess.run([str(LILY_BIN), "generate", "--model", str(MODEL_DIR), "--device", "cuda",
+                            "--prompt-ids", "1", "--max-tokens", "1", "--json"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    if probe.returncode == 0:
+        pytest.skip("a GPU is usable here: --device cuda runs (the other tests cover it with LILY_TEST_DEVICE=cuda)")
+    assert "--device cuda: no usable GPU" in probe.stderr, probe.stderr[-2000:]
+    serve = subprocess.run([str(LILY_BIN), "serve", "--model", str(MODEL_DIR), "--device", "cuda", "--bind", "127.0.0.1:0"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert serve.returncode != 0, "lily serve --device cuda must exit when no GPU is usable"
+    assert "--device cuda: no usable GPU" in serve.stderr, serve.stderr[-2000:]

@@ -120,7 +120,9 @@ pub struct SchedulerConfig {
     pub model_dir: PathBuf,
     pub max_seq: usize,
     pub queue: usize,
-    pub cache_bytes: usize,
+    /// Session cache budget; `None`: the backend's default (device memory on a GPU), else a
+    /// quarter of the host's available memory.
+    pub cache_bytes: Option<usize>,
     pub threads: usize,
     pub device: crate::DeviceArg,
 }
@@ -293,7 +295,12 @@ fn engine_loop<B: Backend>(
     }
     set_status(sh, EngineStatus::Ready);
 
-    let mut cache: SessionCache<B> = SessionCache::new(cfg.cache_bytes);
+    let budget = cfg
+        .cache_bytes
+        .or_else(|| eng.backend.default_cache_bytes())
+        .unwrap_or_else(crate::session_cache::default_budget_bytes);
+    tracing::info!("session cache budget {} MiB", budget >> 20);
+    let mut cache: SessionCache<B> = SessionCache::new(budget);
     while let Ok(job) = rx.recv() {
         let depth = sh
             .queue_depth
@@ -459,7 +466,7 @@ mod tests {
             model_dir: dir,
             max_seq: 256,
             queue: 4,
-            cache_bytes: 1 << 30,
+            cache_bytes: Some(1 << 30),
             threads: 2,
         };
         let (sched, _engine) = Scheduler::start(cfg, Arc::new(Metrics::default()));

@@ -13,7 +13,6 @@ use crate::DeviceArg;
 use crate::api::{AppState, router};
 use crate::metrics::Metrics;
 use crate::scheduler::{EngineStatus, Scheduler, SchedulerConfig, model_id};
-use crate::session_cache::default_budget_bytes;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
@@ -68,6 +67,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if !args.model.is_dir() {
         bail!("--model {}: no such directory", args.model.display());
     }
+    if args.device == DeviceArg::Cuda {
+        // Fail at start, before binding: a server that can never load its model is not useful.
+        engine::backend::cuda::device::CudaDevice::open(0)
+            .map_err(|e| anyhow::anyhow!("--device cuda: no usable GPU: {e}"))?;
+    }
     if args.max_seq < 2 {
         bail!("--max-seq must be at least 2, got {}", args.max_seq);
     }
@@ -94,15 +98,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
         model_dir: args.model.clone(),
         max_seq: args.max_seq,
         queue: args.queue,
-        cache_bytes: args.cache_bytes.unwrap_or_else(default_budget_bytes),
+        cache_bytes: args.cache_bytes,
         threads: args.threads,
         device: args.device,
     };
     tracing::info!(
-        "listening on http://{addr} (max_seq {}, queue {}, cache {} MiB{})",
+        "listening on http://{addr} (max_seq {}, queue {}, cache {}{})",
         cfg.max_seq,
         cfg.queue,
-        cfg.cache_bytes >> 20,
+        cfg.cache_bytes
+            .map_or("budget set once loaded".to_string(), |b| format!(
+                "{} MiB",
+                b >> 20
+            )),
         if args.api_key.is_some() {
             ", API key required"
         } else {

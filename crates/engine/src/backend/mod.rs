@@ -238,6 +238,12 @@ pub trait Backend: Send + Sync + 'static {
         gate_logit: &Self::Tensor,
     ) -> Result<()>;
 
+    /// The session cache's default budget on this backend, where it differs from the host's
+    /// (device memory: a quarter of what is free once the model is loaded).
+    fn default_cache_bytes(&self) -> Option<usize> {
+        None
+    }
+
     // ---- decode steps
     /// Runs `run` (typically one decode step) and, where the backend can, times each kernel
     /// it launched in isolation. `None` where the backend has no kernels to time.

@@ -1616,6 +1616,13 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn default_cache_bytes(&self) -> Option<usize> {
+        let _ = self.dev.ctx.bind_to_thread();
+        cudarc::driver::result::mem_get_info()
+            .ok()
+            .map(|(free, _)| free / 4)
+    }
+
     fn profile(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<Option<Vec<KernelCost>>> {
         {
             // The traced step's temporaries go to the arena (see `tmp`); the recorded step
