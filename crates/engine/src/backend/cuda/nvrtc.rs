@@ -18,12 +18,24 @@ use cudarc::nvrtc::{result, sys};
 
 use crate::error::{Error, Result};
 
-/// Every kernel family of the CUDA backend: (name, source).
+/// A kernel family's source as NVRTC compiles it: the shared helpers, then the family.
+macro_rules! family {
+    ($file:literal) => {
+        concat!(
+            include_str!("kernels/common.cuh"),
+            "\n",
+            include_str!($file)
+        )
+    };
+}
+
+/// Every kernel family of the CUDA backend: (name, source), each source preceded by the shared
+/// helpers of kernels/common.cuh.
 pub const KERNELS: &[(&str, &str)] = &[
-    ("quant", include_str!("kernels/quant.cu")),
-    ("pointwise", include_str!("kernels/pointwise.cu")),
-    ("gdn", include_str!("kernels/gdn.cu")),
-    ("attention", include_str!("kernels/attention.cu")),
+    ("quant", family!("kernels/quant.cu")),
+    ("pointwise", family!("kernels/pointwise.cu")),
+    ("gdn", family!("kernels/gdn.cu")),
+    ("attention", family!("kernels/attention.cu")),
 ];
 
 /// The architectures CI compiles every kernel for: the oldest supported and Hopper.

@@ -2,23 +2,6 @@
 // KV cache split along the keys (split-K: many blocks per query head at long contexts, merged by a
 // second kernel with the usual max/sum rescaling).
 
-// Programmatic dependent launch (Hopper and newer): wait until the previous kernel's results are
-// visible, then let the next kernel start launching, so that its launch overlaps this kernel's
-// work. Every kernel calls this first; without the launch attribute both are no-ops.
-__device__ __forceinline__ void grid_dep() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-#define NEG_INF __int_as_float(0xff800000u)
-
 // Decode steps replayed from a CUDA graph read the position from device memory (`pos_ptr`, written
 // before each replay); eager launches pass it by value (`pos_ptr` null).
 __device__ __forceinline__ int position(const int* pos_ptr, int pos0) { return pos_ptr ? *pos_ptr : pos0; }

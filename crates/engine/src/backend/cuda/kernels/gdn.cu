@@ -1,23 +1,6 @@
 // Gated DeltaNet: the causal depthwise conv with SiLU over the conv window, and the gated delta
 // rule recurrence on the f32 state [Hv, Dv, Dk].
 
-// Programmatic dependent launch (Hopper and newer): wait until the previous kernel's results are
-// visible, then let the next kernel start launching, so that its launch overlaps this kernel's
-// work. Every kernel calls this first; without the launch attribute both are no-ops.
-__device__ __forceinline__ void grid_dep() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
 constexpr int MAX_CONV_K = 8;

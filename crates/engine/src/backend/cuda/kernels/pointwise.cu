@@ -2,26 +2,6 @@
 // attention output gate, the shared-expert gate, the q/gate split, and the argmax of logits rows.
 // Every reduction in f32.
 
-typedef unsigned int u32;
-
-// Programmatic dependent launch (Hopper and newer): wait until the previous kernel's results are
-// visible, then let the next kernel start launching, so that its launch overlaps this kernel's
-// work. Every kernel calls this first; without the launch attribute both are no-ops.
-__device__ __forceinline__ void grid_dep() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
-
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float part[32];
@@ -110,13 +90,6 @@ extern "C" __global__ void split_q_gate(const float* qg, float* q, float* g, int
 // the complement of the index in the low half (a lower index wins a tie). Blocks of a row reduce
 // their slice and combine with one atomicMax into key[row], which starts at 0 ("nothing seen":
 // every packed non-NaN value is larger); the host decodes the winning index.
-typedef unsigned long long u64;
-
-__device__ __forceinline__ u64 pack_max(float v, int i) {
-    const u32 b = __float_as_uint(v);
-    const u32 ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-    return ((u64)ordered << 32) | (u64)(0xffffffffu - (u32)i);
-}
 
 // Launch with 256 threads and (ceil(cols / 2048), rows) blocks, key zeroed.
 extern "C" __global__ void argmax_rows(const float* x, u64* key, int cols) { grid_dep();

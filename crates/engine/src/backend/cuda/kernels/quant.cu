@@ -7,29 +7,7 @@
 //
 // No CUDA headers: NVRTC has no default include path, and bf16 is read as its 16 raw bits.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-// Programmatic dependent launch (Hopper and newer): wait until the previous kernel's results are
-// visible, then let the next kernel start launching, so that its launch overlaps this kernel's
-// work. Every kernel calls this first; without the launch attribute both are no-ops.
-__device__ __forceinline__ void grid_dep() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(((u32)v) << 16); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
-
-#define NEG_INF __int_as_float(0xff800000u)
 
 // One quantized matrix (or one expert of a stack: the pointers already offset to it).
 struct QMat {
@@ -366,13 +344,6 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, con
 // per token. Each (logit, id) is packed in a u64 that orders like the comparison (the logit's
 // bits made monotonic, then the complement of the id), so round j picks the largest key below
 // round j-1's: no marking of chosen experts, and no shared memory.
-typedef unsigned long long u64;
-
-__device__ __forceinline__ u64 pack_max(float v, int i) {
-    const u32 b = __float_as_uint(v);
-    const u32 ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-    return ((u64)ordered << 32) | (u64)(0xffffffffu - (u32)i);
-}
 
 extern "C" __global__ void moe_route(const float* logits, int* ids, float* weights, int experts, int top_k,
                                      int renormalize) { grid_dep();
