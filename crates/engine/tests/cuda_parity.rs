@@ -5,7 +5,7 @@
 
 use std::io::Write;
 
-use common::{nmse, qweight, randn};
+use common::{cuda_or_skip, nmse, qweight, randn};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use engine::backend::cpu::CpuBackend;
 use engine::backend::cpu::reference as r;
@@ -88,13 +88,7 @@ fn gpu_gemv(dev: &CudaDevice, w: &QWeight, x: &[f32], reps: usize) -> (Vec<f32>,
 const TOL: f64 = 1e-9;
 
 fn backends_or_skip(test: &str) -> Option<(CpuBackend, CudaBackend)> {
-    match CudaBackend::new(0) {
-        Ok(g) => Some((CpuBackend::new(0).expect("cpu pool"), g)),
-        Err(e) => {
-            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no usable GPU ({e})");
-            None
-        }
-    }
+    cuda_or_skip(test).map(|g| (CpuBackend::new(0).expect("cpu pool"), g))
 }
 
 fn close(what: &str, got: &[f32], want: &[f32]) {

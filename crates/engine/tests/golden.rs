@@ -6,14 +6,16 @@
 //! is under `MARGIN_TOL` (past a near-tie the paths may legitimately diverge), and the golden's
 //! top-10 logits must agree within `LOGIT_TOL` at every compared step.
 
-use std::io::Write;
 use std::path::PathBuf;
+
+use common::cuda_or_skip;
 
 use engine::backend::Backend;
 use engine::backend::cpu::CpuBackend;
-use engine::backend::cuda::CudaBackend;
 use engine::generate::Engine;
 use serde_json::Value;
+
+mod common;
 
 const LOGIT_TOL: f32 = 1e-3;
 /// A step is compared token for token only where the golden's margin exceeds this: twice the
@@ -152,17 +154,6 @@ fn check_fixture<B: Backend>(backend: B, dir: &str, min_cases: usize) {
 
 fn cpu() -> CpuBackend {
     CpuBackend::new(0).expect("pool")
-}
-
-/// The GPU backend, or None after saying why the test skipped.
-fn cuda_or_skip(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no usable GPU ({e})");
-            None
-        }
-    }
 }
 
 #[test]

@@ -2,6 +2,7 @@
 
 #![allow(dead_code)] // each test binary uses its own subset
 
+use engine::backend::cuda::CudaBackend;
 use engine::checkpoint::{HostSlice, QWeight};
 use half::bf16;
 use rand::Rng;
@@ -48,4 +49,17 @@ pub fn nmse(a: &[f32], e: &[f32]) -> f64 {
         .sum::<f64>()
         .max(1e-30);
     num / den
+}
+
+/// The GPU backend, or `None` after saying why the test is skipped. Written to the stderr handle
+/// itself: the harness captures `eprintln!` of passing tests, and a skip must be visible.
+pub fn cuda_or_skip(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no usable GPU ({e})");
+            None
+        }
+    }
 }

@@ -19,8 +19,9 @@ pub struct CudaDevice {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
 }
 
-fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
-    move |e| Error::Backend(format!("{what}: {e:?}"))
+/// Maps a driver error to lily's, saying what was being done.
+pub(super) fn driver(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
 }
 
 impl CudaDevice {
@@ -31,10 +32,10 @@ impl CudaDevice {
             return Err(Error::Backend("no CUDA driver (libcuda.so) found".into()));
         }
         nvrtc::load()?;
-        let ctx = CudaContext::new(ordinal).map_err(driver_err("creating a CUDA context"))?;
+        let ctx = CudaContext::new(ordinal).map_err(driver("context creation"))?;
         let (major, minor) = ctx
             .compute_capability()
-            .map_err(driver_err("reading the compute capability"))?;
+            .map_err(driver("reading the compute capability"))?;
         if major < 8 {
             return Err(Error::Backend(format!(
                 "GPU compute capability {major}.{minor} is below 8.0, the oldest lily supports"
@@ -53,7 +54,7 @@ impl CudaDevice {
         unsafe { ctx.disable_event_tracking() };
         keep_freed_memory(&ctx)?;
         // A stream of its own (not the legacy default stream), so that it can be captured.
-        let stream = ctx.new_stream().map_err(driver_err("creating a stream"))?;
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
         Ok(CudaDevice {
             ctx,
             stream,
@@ -67,7 +68,7 @@ impl CudaDevice {
     pub fn synchronize(&self) -> Result<()> {
         self.stream
             .synchronize()
-            .map_err(driver_err("synchronizing the stream"))
+            .map_err(driver("synchronizing the stream"))
     }
 
     /// Kernel `function` of family `family` (a file in kernels/), compiled on first use.
@@ -89,7 +90,7 @@ impl CudaDevice {
                     let m = self
                         .ctx
                         .load_module(Ptx::from_binary(image))
-                        .map_err(driver_err("loading a kernel module"))?;
+                        .map_err(driver("loading a kernel module"))?;
                     modules.insert(family, m.clone());
                     m
                 }
@@ -97,7 +98,7 @@ impl CudaDevice {
         };
         module
             .load_function(function)
-            .map_err(driver_err("finding a kernel"))
+            .map_err(driver("finding a kernel"))
     }
 }
 
@@ -113,14 +114,14 @@ fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
     unsafe {
         sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
             .result()
-            .map_err(driver_err("reading the memory pool"))?;
+            .map_err(driver("reading the memory pool"))?;
         sys::cuMemPoolSetAttribute(
             pool,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
             &mut keep as *mut u64 as *mut std::ffi::c_void,
         )
         .result()
-        .map_err(driver_err("configuring the memory pool"))?;
+        .map_err(driver("configuring the memory pool"))?;
     }
     Ok(())
 }

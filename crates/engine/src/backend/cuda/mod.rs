@@ -13,11 +13,11 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use cudarc::driver::{
-    CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
-    LaunchConfig, ValidAsZeroBits, sys,
+    CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    ValidAsZeroBits, sys,
 };
 
-use self::device::CudaDevice;
+use self::device::{CudaDevice, driver};
 use super::{AttnShape, Backend, GdnShape, KernelCost};
 use crate::backend::cpu::reference::GDN_L2_EPS;
 use crate::checkpoint::QWeight;
@@ -33,11 +33,14 @@ pub struct DevBuf<T> {
 }
 
 impl<T> DevBuf<T> {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
+    /// The first `len` elements of a pool buffer, owned.
+    fn owned(slice: CudaSlice<T>, len: usize, stream: &CudaStream) -> DevBuf<T> {
+        let ptr = slice.device_ptr(stream).0;
+        DevBuf {
+            ptr,
+            len,
+            _owned: Some(slice),
+        }
     }
 }
 
@@ -190,6 +193,8 @@ pub struct CudaBackend {
 struct StepState {
     arena: Option<CudaSlice<u8>>,
     used: usize,
+    /// Set when a temporary did not fit: the recording is retried with a larger arena.
+    overflowed: bool,
     graph: Option<StepGraph>,
 }
 
@@ -225,10 +230,6 @@ impl<T> Raw for DevBuf<T> {
     fn raw(&self, _: &CudaStream) -> u64 {
         self.ptr
     }
-}
-
-fn driver(what: &'static str) -> impl Fn(DriverError) -> Error {
-    move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
 }
 
 /// Launches kernel `$f` with `$cfg` and the argument values in brackets (device pointers as
@@ -686,18 +687,16 @@ impl CudaBackend {
         // launches afterwards, and a pool buffer freed mid-step is reused by the next op (a
         // replayed expert product would then read garbage expert ids).
         if !self.recording() && !self.tracing.load(Ordering::Relaxed) {
-            let owned = self.alloc::<T>(n)?;
-            return Ok(DevBuf {
-                ptr: self.ptr(&owned),
-                len: n,
-                _owned: Some(owned),
-            });
+            return Ok(DevBuf::owned(self.alloc::<T>(n)?, n, &self.dev.stream));
         }
         let mut st = self.lock_step()?;
         let bytes = (n.max(1) * std::mem::size_of::<T>()).next_multiple_of(256);
         let base = match &st.arena {
             Some(a) if st.used + bytes <= a.len() => self.ptr(a),
-            _ => return Err(Error::Backend("decode-step arena full".into())),
+            _ => {
+                st.overflowed = true;
+                return Err(Error::Backend("decode-step arena full".into()));
+            }
         };
         let ptr = base + st.used as u64;
         st.used += bytes;
@@ -898,13 +897,8 @@ impl Backend for CudaBackend {
                 data.len()
             )));
         }
-        let owned = self.upload(data)?;
         Ok(CudaTensor {
-            buf: DevBuf {
-                ptr: self.ptr(&owned),
-                len: data.len(),
-                _owned: Some(owned),
-            },
+            buf: DevBuf::owned(self.upload(data)?, data.len(), &self.dev.stream),
             rows,
             cols,
         })
@@ -1721,6 +1715,7 @@ impl Backend for CudaBackend {
             let mut st = self.lock_step()?;
             st.graph = None;
             st.used = 0;
+            st.overflowed = false;
             if st.arena.is_none() || attempt > 0 {
                 let bytes = st.arena.as_ref().map_or(ARENA_BYTES, |a| 2 * a.len());
                 st.arena = None;
@@ -1744,8 +1739,7 @@ impl Backend for CudaBackend {
                 Err(e) => {
                     // Nothing ran: undo what the recording pass did to the bookkeeping.
                     rewind(state, pos);
-                    let full = e.to_string().contains("arena full");
-                    if full && attempt == 0 {
+                    if attempt == 0 && self.lock_step()?.overflowed {
                         continue;
                     }
                     return Err(e);
