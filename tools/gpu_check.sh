@@ -33,7 +33,7 @@ phase_parity() {
   for t in cuda_parity golden; do
     note "test binary $t"
     if ./.device/$t --test-threads=1 --nocapture >"$OUT/$t.log" 2>&1; then
-      record "$t" "pass ($(grep -c '^test .* ok$' "$OUT/$t.log") ok; $(grep -c SKIPPED "$OUT/$t.log") skipped)"
+      record "$t" "pass ($(grep -o '[0-9]* passed' "$OUT/$t.log" | tail -1); $(grep -c SKIPPED "$OUT/$t.log") skipped)"
     else
       record "$t" "FAIL (see $t.log)"
       grep -E 'panicked|FAILED|failed' "$OUT/$t.log" | head -20

@@ -9,10 +9,6 @@ use crate::error::{Error, Result};
 use crate::model::qwen3_5_moe::{Logits, Qwen35Moe};
 use crate::model::state::DecodeState;
 
-/// Prompt tokens per prefill forward: bounds activation memory while keeping the products
-/// matrix-matrix.
-pub const PREFILL_CHUNK: usize = 512;
-
 /// A loaded model on a backend.
 pub struct Engine<B: Backend> {
     pub backend: B,
@@ -79,11 +75,17 @@ impl<B: Backend> Engine<B> {
         }
     }
 
+    /// Prompt tokens per prefill forward on this engine's backend.
+    pub fn prefill_chunk(&self) -> usize {
+        self.backend.prefill_chunk().max(1)
+    }
+
     /// Feeds `tokens` in chunks; returns the last token's logits `[1, vocab]` on the device.
     pub fn prefill(&self, tokens: &[u32], state: &mut DecodeState<B>) -> Result<B::Tensor> {
         self.check_tokens(tokens)?;
-        let n_chunks = tokens.len().div_ceil(PREFILL_CHUNK);
-        let mut chunks = tokens.chunks(PREFILL_CHUNK);
+        let chunk = self.prefill_chunk();
+        let n_chunks = tokens.len().div_ceil(chunk);
+        let mut chunks = tokens.chunks(chunk);
         for chunk in chunks.by_ref().take(n_chunks.saturating_sub(1)) {
             self.model
                 .forward(&self.backend, chunk, state, Logits::None)?;
@@ -97,7 +99,7 @@ impl<B: Backend> Engine<B> {
     /// Feeds `tokens` in chunks without computing any logits.
     pub fn extend(&self, tokens: &[u32], state: &mut DecodeState<B>) -> Result<()> {
         self.check_tokens(tokens)?;
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
+        for chunk in tokens.chunks(self.prefill_chunk()) {
             self.model
                 .forward(&self.backend, chunk, state, Logits::None)?;
         }

@@ -130,8 +130,9 @@ fn every_quantized_product_matches() {
     for bits in [4, 8] {
         for (rows, cols) in [(1, 64), (65, 192), (257, 2048), (1000, 512), (96, 4096)] {
             let w = qweight(&mut rng, rows, cols, bits);
-            // One token (decode), a few (the per-token path), and enough for the tiled path.
-            for t in [1, 3, 8, 67] {
+            // One token (decode), a few (the per-token path), and the tensor-core tiles: one
+            // partial tile of tokens, and several with a partial last one.
+            for t in [1, 3, 8, 67, 200] {
                 let x = randn(&mut rng, t * cols, 1.0);
                 close(
                     &format!("qmatmul q{bits} {rows}x{cols} T={t}"),
@@ -364,8 +365,9 @@ fn gated_delta_net_matches_over_chunks() {
             randn(&mut rng, hv, 1.0),
             randn(&mut rng, hv, 1.0),
         );
-        // A prefill chunk, then decode steps continuing the same state.
-        let inputs: Vec<_> = [9, 1, 1, 4]
+        // A prefill chunk, decode steps continuing the same state, then a chunk longer than
+        // the recurrence's staging chunk and the conv's run per thread.
+        let inputs: Vec<_> = [9, 1, 1, 4, 150]
             .iter()
             .map(|&t| {
                 (
@@ -460,11 +462,19 @@ fn attention_matches_at_short_and_long_contexts() {
         rotary_dim: 16,
         rope_theta: 1e4,
     };
-    for sh in [ATTN, small] {
+    let mid = AttnShape {
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 128,
+        rotary_dim: 32,
+        rope_theta: 1e6,
+    };
+    for sh in [ATTN, small, mid] {
         let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
-        // Prefill 9, decode 1, a long chunk (past the cache's first capacity, several key
-        // splits), then decode steps at positions over 1,300.
-        let chunks: Vec<_> = [9, 1, 1300, 1, 1]
+        // Prefill 9 (split-K), decode 1, a long chunk (flash attention: past the cache's first
+        // capacity, partial tiles at both ends), a chunk of 70 after 1,311 positions, then
+        // decode steps at positions over 1,380.
+        let chunks: Vec<_> = [9, 1, 1300, 70, 1, 1]
             .iter()
             .map(|&t| {
                 (
@@ -510,18 +520,21 @@ fn routing_and_experts_match() {
         return;
     };
     let mut rng = StdRng::seed_from_u64(28);
-    // (experts, top_k, hidden, intermediate, renormalise)
-    for (e, k, hidden, inter, renorm) in [
-        (256, 8, 2048, 512, true),
-        (8, 4, 192, 128, true),
-        (32, 8, 64, 64, false),
+    // (experts, top_k, hidden, intermediate, renormalise, bits)
+    for (e, k, hidden, inter, renorm, bits) in [
+        (256, 8, 2048, 512, true, 4),
+        (8, 4, 192, 128, true, 4),
+        (32, 8, 64, 64, false, 4),
+        (8, 2, 128, 64, true, 8),
     ] {
         let w = [
-            qweight(&mut rng, e * inter, hidden, 4),
-            qweight(&mut rng, e * inter, hidden, 4),
-            qweight(&mut rng, e * hidden, inter, 4),
+            qweight(&mut rng, e * inter, hidden, bits),
+            qweight(&mut rng, e * inter, hidden, bits),
+            qweight(&mut rng, e * hidden, inter, bits),
         ];
-        for t in [1, 5] {
+        // Per pair (1, 5 tokens) and grouped by expert on the tensor cores (70: the 256-expert
+        // shape leaves most experts a partial tile, the 8-expert one several full tiles).
+        for t in [1, 5, 70] {
             let mut logits = randn(&mut rng, t * e, 3.0);
             logits[1] = logits[0]; // a tie: the lower id must win on both
             let x = randn(&mut rng, t * hidden, 1.0);
@@ -545,7 +558,7 @@ fn routing_and_experts_match() {
                 &rc.weights,
             );
             close(
-                &format!("experts E={e} k={k} hidden {hidden} inter {inter} T={t}"),
+                &format!("experts E={e} k={k} hidden {hidden} inter {inter} q{bits} T={t}"),
                 &moe_on(&gpu, &logits, &x, &w, t, e, k, renorm),
                 &moe_on(&cpu, &logits, &x, &w, t, e, k, renorm),
             );
@@ -699,7 +712,7 @@ fn moe_block_with_the_shared_expert_matches() {
             qweight(&mut rng, inter_s, hidden, 4),
             qweight(&mut rng, hidden, inter_s, 4),
         ];
-        for t in [1, 3] {
+        for t in [1, 3, 100] {
             let logits = randn(&mut rng, t * e, 3.0);
             let x = randn(&mut rng, t * hidden, 1.0);
             let gl = randn(&mut rng, t, 3.0);

@@ -11,6 +11,8 @@ use std::time::Instant;
 use anyhow::Result;
 use serde_json::json;
 
+use engine::backend::ProfileMode;
+
 use crate::ModelArgs;
 
 #[derive(clap::Args, Debug)]
@@ -26,8 +28,8 @@ pub struct BenchArgs {
     /// Also write the JSON report to this file.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
-    /// After the timed run, time each kernel of one more decode step on its own (GPU only)
-    /// and report the cost per kernel.
+    /// After the timed run, time each kernel of one more decode step on its own, and each
+    /// kernel of one prefill chunk where it runs (GPU only), and report the cost per kernel.
     #[arg(long)]
     pub profile: bool,
 }
@@ -63,7 +65,7 @@ fn bench_on<B: engine::backend::Backend>(
 
     // Warm-up on a throwaway state: one prefill chunk and two decode steps.
     {
-        let warm = &prompt[..prompt.len().min(engine::generate::PREFILL_CHUNK)];
+        let warm = &prompt[..prompt.len().min(eng.prefill_chunk())];
         let mut st = eng.new_state(warm.len() + 3)?;
         let lg = eng.prefill(warm, &mut st)?;
         let mut tok = eng.argmax(&lg)?;
@@ -89,8 +91,8 @@ fn bench_on<B: engine::backend::Backend>(
         tokens.push(tok);
     }
     let decode_secs = t1.elapsed().as_secs_f64();
-    let profile = if a.profile {
-        let costs = eng.backend.profile(&mut || {
+    let (profile, prefill_profile) = if a.profile {
+        let costs = eng.backend.profile(ProfileMode::Isolated, &mut || {
             let lg = eng.decode_step(tok, &mut state)?;
             eng.argmax(&lg).map(|_| ())
         })?;
@@ -100,9 +102,33 @@ fn bench_on<B: engine::backend::Backend>(
                 eng.backend_name()
             );
         }
-        costs.map(|c| profile_report(&c, decode_secs / a.decode_steps.max(1) as f64))
+        let decode = costs.map(|c| {
+            profile_report(
+                "one decode step",
+                "each launch of one decode step replayed alone: 20 copies in a CUDA graph, 5 replays; weights may hit L2 when they fit",
+                &c,
+                decode_secs / a.decode_steps.max(1) as f64,
+            )
+        });
+        // The first chunk of the prompt on a fresh state (its attention sees only itself).
+        let chunk = &prompt[..prompt.len().min(eng.prefill_chunk())];
+        let mut fresh = eng.new_state(chunk.len())?;
+        let t = Instant::now();
+        let costs = eng.backend.profile(ProfileMode::InPlace, &mut || {
+            eng.prefill(chunk, &mut fresh).map(|_| ())
+        })?;
+        let chunk_secs = t.elapsed().as_secs_f64();
+        let prefill = costs.map(|c| {
+            profile_report(
+                &format!("one prefill chunk of {} tokens", chunk.len()),
+                "each launch of the first prefill chunk timed where it ran, by events around it",
+                &c,
+                chunk_secs,
+            )
+        });
+        (decode, prefill)
     } else {
-        None
+        (None, None)
     };
 
     let report = json!({
@@ -136,6 +162,7 @@ fn bench_on<B: engine::backend::Backend>(
             },
         },
         "profile": profile,
+        "prefill_profile": prefill_profile,
     });
     let text = serde_json::to_string_pretty(&report)?;
     if let Some(p) = &a.json_out {
@@ -154,15 +181,20 @@ fn bench_on<B: engine::backend::Backend>(
     Ok(())
 }
 
-/// The profile as JSON, with a table on stderr: kernels by total time, each launch timed on
-/// its own, against the measured step time.
-fn profile_report(costs: &[engine::backend::KernelCost], step_secs: f64) -> serde_json::Value {
+/// The profile as JSON, with a table on stderr: kernels by total time, against the measured
+/// wall time of what was profiled.
+fn profile_report(
+    what: &str,
+    method: &str,
+    costs: &[engine::backend::KernelCost],
+    step_secs: f64,
+) -> serde_json::Value {
     let total_us: f64 = costs.iter().map(|c| c.micros).sum();
     let launches: usize = costs.iter().map(|c| c.launches).sum();
     let bytes: u64 = costs.iter().map(|c| c.weight_bytes).sum();
     eprintln!(
-        "profile of one decode step: {launches} launches, {total_us:.0} us summed alone \
-         ({:.0} us measured per step), {:.2} GB of weights",
+        "profile of {what}: {launches} launches, {total_us:.0} us summed \
+         ({:.0} us measured), {:.2} GB of weights",
         step_secs * 1e6,
         bytes as f64 / 1e9
     );
@@ -186,7 +218,8 @@ fn profile_report(costs: &[engine::backend::KernelCost], step_secs: f64) -> serd
         );
     }
     json!({
-        "method": "each launch of one decode step replayed alone: 20 copies in a CUDA graph, 5 replays; weights may hit L2 when they fit",
+        "what": what,
+        "method": method,
         "step_us_measured": step_secs * 1e6,
         "sum_alone_us": total_us,
         "launches": launches,

@@ -37,7 +37,17 @@ pub struct AttnShape {
     pub rope_theta: f64,
 }
 
-/// The cost of one kernel (at one grid size) within a profiled decode step.
+/// How `Backend::profile` times kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProfileMode {
+    /// Each launch replayed on its own after the run (decode: kernels of a few microseconds,
+    /// whose in-stream timing would be mostly launch gaps).
+    Isolated,
+    /// Each launch timed where it runs, by events around it (prefill: long kernels).
+    InPlace,
+}
+
+/// The cost of one kernel (at one grid size) within a profiled run.
 #[derive(Clone, Debug)]
 pub struct KernelCost {
     pub kernel: String,
@@ -244,10 +254,21 @@ pub trait Backend: Send + Sync + 'static {
         None
     }
 
+    /// Prompt tokens per prefill forward: enough to keep the products matrix-matrix, few
+    /// enough to bound activation memory.
+    fn prefill_chunk(&self) -> usize {
+        512
+    }
+
     // ---- decode steps
-    /// Runs `run` (typically one decode step) and, where the backend can, times each kernel
-    /// it launched in isolation. `None` where the backend has no kernels to time.
-    fn profile(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<Option<Vec<KernelCost>>> {
+    /// Runs `run` (one decode step, one prefill chunk) and, where the backend can, times each
+    /// kernel it launched as `mode` says. `None` where the backend has no kernels to time.
+    fn profile(
+        &self,
+        mode: ProfileMode,
+        run: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Option<Vec<KernelCost>>> {
+        let _ = mode;
         run()?;
         Ok(None)
     }

@@ -13,12 +13,12 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use cudarc::driver::{
-    CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
     ValidAsZeroBits, sys,
 };
 
 use self::device::{CudaDevice, driver};
-use super::{AttnShape, Backend, GdnShape, KernelCost};
+use super::{AttnShape, Backend, GdnShape, KernelCost, ProfileMode};
 use crate::backend::cpu::reference::GDN_L2_EPS;
 use crate::checkpoint::QWeight;
 use crate::error::{Error, Result};
@@ -94,10 +94,14 @@ struct Kernels {
     /// `[bits][0]`: four rows per warp; `[bits][1]`: one (small matrices).
     gemv: [[CudaFunction; 2]; 2],
     gemv_batch: [[CudaFunction; 2]; 2],
-    gemm: [CudaFunction; 2],
+    /// Tensor-core products for prefill (kernels/qmma.cu).
+    mma: [CudaFunction; 2],
     embed: [CudaFunction; 2],
     moe_gate_up: [CudaFunction; 2],
     moe_down: [CudaFunction; 2],
+    moe_group: CudaFunction,
+    moe_gate_up_mma: [CudaFunction; 2],
+    moe_down_mma: [CudaFunction; 2],
     moe_combine: CudaFunction,
     moe_route: CudaFunction,
     rms_norm: CudaFunction,
@@ -109,30 +113,38 @@ struct Kernels {
     split_q_gate: CudaFunction,
     argmax_rows: CudaFunction,
     conv1d_silu: CudaFunction,
-    gdn_recurrence: CudaFunction,
+    /// Key dims 64, 128, 256.
+    gdn_recurrence: [CudaFunction; 3],
     rope: CudaFunction,
     kv_write: CudaFunction,
     /// Head dims 64, 128, 256, 512.
     attention_partial: [CudaFunction; 4],
     attention_combine: CudaFunction,
+    /// Flash attention for prefill, head dims 64, 128, 256; `None` where the device cannot
+    /// give a block the shared memory it needs (the split-K kernels serve instead).
+    attention_prefill: [Option<CudaFunction>; 3],
 }
 
 impl Kernels {
     fn load(dev: &CudaDevice) -> Result<Kernels> {
         let f = |family: &'static str, name: &str| dev.function(family, name);
-        let pair = |name: &str| -> Result<[CudaFunction; 2]> {
+        let pair_in = |family: &'static str, name: &str| -> Result<[CudaFunction; 2]> {
             Ok([
-                f("quant", &format!("q4_{name}"))?,
-                f("quant", &format!("q8_{name}"))?,
+                f(family, &format!("q4_{name}"))?,
+                f(family, &format!("q8_{name}"))?,
             ])
         };
+        let pair = |name: &str| pair_in("quant", name);
         Ok(Kernels {
             gemv: transpose(pair("gemv_f32")?, pair("gemv_r1")?),
             gemv_batch: transpose(pair("gemv_batch")?, pair("gemv_batch_r1")?),
-            gemm: pair("gemm_f32")?,
+            mma: pair_in("qmma", "mma")?,
             embed: pair("embed")?,
             moe_gate_up: pair("moe_gate_up")?,
             moe_down: pair("moe_down")?,
+            moe_group: f("qmma", "moe_group")?,
+            moe_gate_up_mma: pair_in("qmma", "moe_gate_up_mma")?,
+            moe_down_mma: pair_in("qmma", "moe_down_mma")?,
             moe_combine: f("quant", "moe_combine")?,
             moe_route: f("quant", "moe_route")?,
             rms_norm: f("pointwise", "rms_norm")?,
@@ -144,7 +156,11 @@ impl Kernels {
             split_q_gate: f("pointwise", "split_q_gate")?,
             argmax_rows: f("pointwise", "argmax_rows")?,
             conv1d_silu: f("gdn", "conv1d_silu")?,
-            gdn_recurrence: f("gdn", "gdn_recurrence")?,
+            gdn_recurrence: [
+                f("gdn", "gdn_recurrence_k64")?,
+                f("gdn", "gdn_recurrence_k128")?,
+                f("gdn", "gdn_recurrence_k256")?,
+            ],
             rope: f("attention", "rope")?,
             kv_write: f("attention", "kv_write")?,
             attention_partial: [
@@ -154,8 +170,24 @@ impl Kernels {
                 f("attention", "attention_partial_d16")?,
             ],
             attention_combine: f("attention", "attention_combine")?,
+            attention_prefill: [64, 128, 256].map(|d| {
+                let func = f("attention", &format!("attention_prefill_d{d}")).ok()?;
+                // Above 48 KiB a kernel must opt in to its dynamic shared memory.
+                func.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    fa_smem_bytes(d) as i32,
+                )
+                .ok()?;
+                Some(func)
+            }),
         })
     }
+}
+
+/// Dynamic shared memory of the flash-attention prefill kernel for head dim `d`
+/// (`fa_smem_bytes`, kernels/attention.cu: Q, K and transposed V tiles, each as bf16 hi and lo).
+fn fa_smem_bytes(d: usize) -> usize {
+    2 * (2 * FA_QUERIES * (d + 8) + 2 * 32 * (d + 8) + 2 * d * 40)
 }
 
 /// `[q4, q8]` x two variants -> `[[q4 variant 0, q4 variant 1], [q8 ..., ...]]`.
@@ -186,6 +218,9 @@ pub struct CudaBackend {
     /// While profiling: every launch, for replay in isolation.
     trace: Mutex<Option<Vec<Traced>>>,
     tracing: AtomicBool,
+    /// While profiling in place: events around every launch (the run's temporaries then come
+    /// from the pool as usual, since nothing is replayed).
+    in_place: AtomicBool,
 }
 
 /// The recorded decode step and the memory its temporaries live in.
@@ -265,13 +300,15 @@ impl<T: bytemuck::NoUninit> KernelArg for T {
     }
 }
 
-/// One traced launch, replayable on its own (the profiler times it in isolation).
+/// One traced launch, replayable on its own (the profiler times it in isolation), or with the
+/// events recorded around it where it ran (in-place profiling).
 struct Traced {
     label: &'static str,
     function: sys::CUfunction,
     cfg: LaunchConfig,
     args: Vec<Vec<u8>>,
     bytes: u64,
+    events: Option<(CudaEvent, CudaEvent)>,
 }
 
 // SAFETY: the function handle belongs to a module that the backend keeps loaded; it is only
@@ -347,6 +384,24 @@ fn same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> Result<()> {
     Ok(())
 }
 
+/// Prompt tokens per prefill forward: the tensor-core tiles take 64 tokens, and the experts'
+/// tiles fill only when each of 256 experts sees a few dozen tokens of the chunk.
+const PREFILL_CHUNK: usize = 4096;
+/// Tokens from which the experts run grouped by expert on the tensor cores (below, each pair is
+/// a matrix-vector product: with few tokens an expert rarely serves more than one).
+const GROUPED_MOE_MIN_TOKENS: usize = 32;
+/// Experts plus the shared expert that the grouping kernel can count (`MAX_GROUPS`, qmma.cu).
+const MAX_EXPERT_GROUPS: usize = 1024;
+
+/// Tokens per thread of the conv kernel (`CONV_TOKENS`, kernels/gdn.cu).
+const CONV_TOKENS: u32 = 64;
+
+/// Queries per block of the flash-attention prefill kernel (`FA_BQ`, kernels/attention.cu: 8
+/// warps of 16), and the tokens from which attention takes it (below, the split-K kernels fill
+/// the GPU better).
+const FA_QUERIES: usize = 128;
+const FA_MIN_TOKENS: usize = 32;
+
 /// Keys per attention split, at least (more when the split count is capped).
 const ATTN_MIN_CHUNK: usize = 64;
 /// The largest dynamic shared memory a launch may ask for without opting in (48 KiB).
@@ -383,6 +438,7 @@ impl CudaBackend {
             pdl,
             trace: Mutex::new(None),
             tracing: AtomicBool::new(false),
+            in_place: AtomicBool::new(false),
         })
     }
 
@@ -415,22 +471,43 @@ impl CudaBackend {
             .ctx
             .bind_to_thread()
             .map_err(driver("binding the context"))?;
+        let tracing = self.tracing.load(Ordering::Relaxed);
+        let start = match tracing && self.in_place.load(Ordering::Relaxed) {
+            true => Some(self.event()?),
+            false => None,
+        };
         // SAFETY: the caller vouches for the argument list; `params` points at values that
         // live until this call returns, which is all a launch needs.
         unsafe { self.launch_raw(f.cu_function(), &cfg, &mut params[..args.len()]) }?;
-        if self.tracing.load(Ordering::Relaxed)
+        if tracing
             && let Ok(mut t) = self.trace.lock()
             && let Some(t) = t.as_mut()
         {
+            let events = match start {
+                Some(start) => Some((start, self.event()?)),
+                None => None,
+            };
             t.push(Traced {
                 label: label.trim_start_matches("self.k."),
                 function: f.cu_function(),
                 cfg,
                 args: args.iter().map(|a| a.bytes().to_vec()).collect(),
                 bytes,
+                events,
             });
         }
         Ok(())
+    }
+
+    /// A timing event recorded on the stream now.
+    fn event(&self) -> Result<CudaEvent> {
+        let ev = self
+            .dev
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver("event"))?;
+        ev.record(&self.dev.stream).map_err(driver("event"))?;
+        Ok(ev)
     }
 
     /// Microseconds one traced launch takes on its own: 20 copies recorded in a graph, the
@@ -548,44 +625,58 @@ impl CudaBackend {
                 0
             }
         };
-        launch!(
-            self,
-            self.k.moe_gate_up[b],
-            cfg(((stride as u32).div_ceil(32), all as u32), 256, 4 * hidden),
-            [
-                self.qarg(gate),
-                self.qarg(up),
-                sgate,
-                sup,
-                self.ptr(&rt.ids),
-                self.ptr(&x.buf),
-                act.ptr,
-                rt.top_k as i32,
-                pairs as i32,
-                inter as i32,
-                inter_s as i32,
-                hidden as i32
-            ],
-            bytes = 2
-                * (pairs as u64 * qbytes(inter, hidden, gate.bits) + shared_bytes(inter_s, hidden))
-        )?;
-        launch!(
-            self,
-            self.k.moe_down[b],
-            cfg(((hidden as u32).div_ceil(32), all as u32), 256, 4 * stride),
-            [
-                self.qarg(down),
-                sdown,
-                self.ptr(&rt.ids),
-                act.ptr,
-                y.ptr,
-                pairs as i32,
-                inter as i32,
-                inter_s as i32,
-                hidden as i32
-            ],
-            bytes = pairs as u64 * qbytes(hidden, inter, down.bits) + shared_bytes(hidden, inter_s)
-        )?;
+        if t >= GROUPED_MOE_MIN_TOKENS {
+            self.moe_grouped(
+                x,
+                rt,
+                [gate, up, down],
+                [sgate, sup, sdown],
+                inter_s,
+                &act,
+                &y,
+            )?;
+        } else {
+            launch!(
+                self,
+                self.k.moe_gate_up[b],
+                cfg(((stride as u32).div_ceil(32), all as u32), 256, 4 * hidden),
+                [
+                    self.qarg(gate),
+                    self.qarg(up),
+                    sgate,
+                    sup,
+                    self.ptr(&rt.ids),
+                    self.ptr(&x.buf),
+                    act.ptr,
+                    rt.top_k as i32,
+                    pairs as i32,
+                    inter as i32,
+                    inter_s as i32,
+                    hidden as i32
+                ],
+                bytes = 2
+                    * (pairs as u64 * qbytes(inter, hidden, gate.bits)
+                        + shared_bytes(inter_s, hidden))
+            )?;
+            launch!(
+                self,
+                self.k.moe_down[b],
+                cfg(((hidden as u32).div_ceil(32), all as u32), 256, 4 * stride),
+                [
+                    self.qarg(down),
+                    sdown,
+                    self.ptr(&rt.ids),
+                    act.ptr,
+                    y.ptr,
+                    pairs as i32,
+                    inter as i32,
+                    inter_s as i32,
+                    hidden as i32
+                ],
+                bytes =
+                    pairs as u64 * qbytes(hidden, inter, down.bits) + shared_bytes(hidden, inter_s)
+            )?;
+        }
         launch!(
             self,
             self.k.moe_combine,
@@ -601,6 +692,108 @@ impl CudaBackend {
             ]
         )?;
         Ok(out)
+    }
+
+    /// The expert products of `moe` on the tensor cores: the pairs (and the shared expert's
+    /// tokens, when `shared[0]` is set) sorted by expert, each expert's weights read once per
+    /// tile of 64 of its pairs (kernels/qmma.cu).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_grouped(
+        &self,
+        x: &CudaTensor,
+        rt: &CudaRouting,
+        [gate, up, down]: [&CudaQMatrix; 3],
+        [sgate, sup, sdown]: [QMatArg; 3],
+        inter_s: usize,
+        act: &DevBuf<f32>,
+        y: &DevBuf<f32>,
+    ) -> Result<()> {
+        let (t, hidden) = (x.rows, x.cols);
+        let e = rt.num_experts;
+        let inter = gate.rows / e;
+        let with_shared = sgate.codes != 0;
+        let pairs = t * rt.top_k;
+        let all = pairs + if with_shared { t } else { 0 };
+        let groups = e + usize::from(with_shared);
+        if groups > MAX_EXPERT_GROUPS {
+            return Err(Error::Backend(format!(
+                "moe: {e} experts; the grouped products take at most {}",
+                MAX_EXPERT_GROUPS - 1
+            )));
+        }
+        let b = bits_index(gate.bits, &gate.name)?;
+        // Each expert's run of pairs is cut into tiles of 64: at most one partial tile each.
+        let max_tiles = all.div_ceil(64) + groups;
+        let perm = self.tmp::<i32>(all)?;
+        let tiles = self.tmp::<i32>(3 * max_tiles)?;
+        let ntiles = self.tmp::<i32>(1)?;
+        launch!(
+            self,
+            self.k.moe_group,
+            cfg((1, 1), 1024, 0),
+            [
+                self.ptr(&rt.ids),
+                pairs as i32,
+                t as i32,
+                e as i32,
+                i32::from(with_shared),
+                perm.ptr,
+                tiles.ptr,
+                ntiles.ptr
+            ]
+        )?;
+        let stride = inter.max(inter_s);
+        let expert_bytes = |rows, cols| {
+            // Every expert's matrix is read at least once (an upper bound for sparse routing).
+            e.min(pairs) as u64 * qbytes(rows, cols, gate.bits)
+                + if with_shared {
+                    qbytes(rows, cols, gate.bits)
+                } else {
+                    0
+                }
+        };
+        launch!(
+            self,
+            self.k.moe_gate_up_mma[b],
+            cfg((max_tiles as u32, (stride as u32).div_ceil(64)), 256, 0),
+            [
+                self.qarg(gate),
+                self.qarg(up),
+                sgate,
+                sup,
+                perm.ptr,
+                tiles.ptr,
+                ntiles.ptr,
+                self.ptr(&x.buf),
+                act.ptr,
+                rt.top_k as i32,
+                pairs as i32,
+                e as i32,
+                inter as i32,
+                inter_s as i32,
+                hidden as i32
+            ],
+            bytes = 2 * expert_bytes(inter, hidden)
+        )?;
+        launch!(
+            self,
+            self.k.moe_down_mma[b],
+            cfg((max_tiles as u32, (hidden as u32).div_ceil(64)), 256, 0),
+            [
+                self.qarg(down),
+                sdown,
+                perm.ptr,
+                tiles.ptr,
+                ntiles.ptr,
+                act.ptr,
+                y.ptr,
+                e as i32,
+                inter as i32,
+                inter_s as i32,
+                hidden as i32
+            ],
+            bytes = expert_bytes(hidden, inter)
+        )
     }
 
     fn qarg(&self, w: &CudaQMatrix) -> QMatArg {
@@ -686,7 +879,9 @@ impl CudaBackend {
         // While profiling, temporaries must outlive the step too: the profiler replays its
         // launches afterwards, and a pool buffer freed mid-step is reused by the next op (a
         // replayed expert product would then read garbage expert ids).
-        if !self.recording() && !self.tracing.load(Ordering::Relaxed) {
+        let replayed =
+            self.tracing.load(Ordering::Relaxed) && !self.in_place.load(Ordering::Relaxed);
+        if !self.recording() && !replayed {
             return Ok(DevBuf::owned(self.alloc::<T>(n)?, n, &self.dev.stream));
         }
         let mut st = self.lock_step()?;
@@ -1036,7 +1231,7 @@ impl Backend for CudaBackend {
             self.ptr(&out.buf),
         );
         // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
-        // reuse each dequantized tile across 64 tokens.
+        // run on the tensor cores, each 64-row tile of codes serving 64 tokens.
         if x.rows < 8 {
             let r1 = self.one_row_per_warp(w.rows.div_ceil(32));
             let per_block = if r1 { 8 } else { 32 };
@@ -1060,12 +1255,10 @@ impl Backend for CudaBackend {
             let grid = ((w.rows as u32).div_ceil(64), (x.rows as u32).div_ceil(64));
             launch!(
                 self,
-                self.k.gemm[b],
+                self.k.mma[b],
                 cfg(grid, 256, 0),
                 [
-                    args.0,
-                    args.1,
-                    args.2,
+                    self.qarg(w),
                     args.3,
                     args.4,
                     x.rows as i32,
@@ -1233,7 +1426,14 @@ impl Backend for CudaBackend {
             launch!(
                 self,
                 self.k.conv1d_silu,
-                cfg(((c as u32).div_ceil(128), 1), 128, 0),
+                cfg(
+                    (
+                        (c as u32).div_ceil(128),
+                        (x.rows as u32).div_ceil(CONV_TOKENS)
+                    ),
+                    128,
+                    0
+                ),
                 [
                     self.ptr(&x.buf),
                     self.ptr(w),
@@ -1259,10 +1459,16 @@ impl Backend for CudaBackend {
         sh: &GdnShape,
     ) -> Result<CudaTensor> {
         let (hk, hv, dk, dv) = (sh.key_heads, sh.value_heads, sh.key_dim, sh.value_dim);
-        if dk % 32 != 0 || dk > 256 || hk == 0 || hv % hk != 0 {
+        let variant = match dk {
+            64 => 0,
+            128 => 1,
+            256 => 2,
+            _ => usize::MAX,
+        };
+        if variant == usize::MAX || hk == 0 || hv % hk != 0 || (hv * dv) % 4 != 0 {
             return Err(Error::Backend(format!(
-                "gdn: key dim {dk} with {hk} key and {hv} value heads is not supported on CUDA \
-                 (key dims are multiples of 32 up to 256; value heads a multiple of key heads)"
+                "gdn: key dim {dk} with {hk} key and {hv} value heads of dim {dv} is not supported \
+                 on CUDA (key dims 64, 128 or 256; value heads a multiple of key heads)"
             )));
         }
         if qkv.cols != sh.conv_channels() || a.cols != hv || b.cols != hv {
@@ -1272,10 +1478,10 @@ impl Backend for CudaBackend {
         }
         let y = self.tensor(qkv.rows, hv * dv)?;
         if qkv.rows > 0 {
-            // 4 warps of 8 state rows per block.
+            // 32 state rows per block, four threads each.
             launch!(
                 self,
-                self.k.gdn_recurrence,
+                self.k.gdn_recurrence[variant],
                 cfg((hv as u32, (dv as u32).div_ceil(32)), 128, 0),
                 [
                     self.ptr(&qkv.buf),
@@ -1288,7 +1494,6 @@ impl Backend for CudaBackend {
                     qkv.rows as i32,
                     hk as i32,
                     hv as i32,
-                    dk as i32,
                     dv as i32,
                     GDN_L2_EPS
                 ]
@@ -1470,6 +1675,30 @@ impl Backend for CudaBackend {
         if t == 0 {
             return Ok(out);
         }
+        if t >= FA_MIN_TOKENS
+            && let Some(Some(attention_prefill)) = self.k.attention_prefill.get(variant)
+        {
+            launch!(
+                self,
+                attention_prefill,
+                cfg(
+                    ((t as u32).div_ceil(FA_QUERIES as u32), h as u32),
+                    256,
+                    fa_smem_bytes(d)
+                ),
+                [
+                    self.ptr(&q.buf),
+                    self.ptr(&c.k),
+                    self.ptr(&c.v),
+                    self.ptr(&out.buf),
+                    t as i32,
+                    h as i32,
+                    sh.kv_heads as i32,
+                    pos0 as i32
+                ]
+            )?;
+            return Ok(out);
+        }
         // Split the keys so that the grid fills the GPU even for one query, without more
         // partial results than there are useful blocks. A recorded step sizes the grid for the
         // longest context of its bucket; splits past the actual keys exit at once.
@@ -1617,8 +1846,17 @@ impl Backend for CudaBackend {
             .map(|(free, _)| free / 4)
     }
 
-    fn profile(&self, run: &mut dyn FnMut() -> Result<()>) -> Result<Option<Vec<KernelCost>>> {
-        {
+    fn prefill_chunk(&self) -> usize {
+        PREFILL_CHUNK
+    }
+
+    fn profile(
+        &self,
+        mode: ProfileMode,
+        run: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Option<Vec<KernelCost>>> {
+        let in_place = mode == ProfileMode::InPlace;
+        if !in_place {
             // The traced step's temporaries go to the arena (see `tmp`); the recorded step
             // that owned it is dropped and recorded again at the next decode step.
             let mut st = self.lock_step()?;
@@ -1632,9 +1870,11 @@ impl Backend for CudaBackend {
             .trace
             .lock()
             .map_err(|_| Error::Backend("trace lock".into()))? = Some(Vec::new());
+        self.in_place.store(in_place, Ordering::Relaxed);
         self.tracing.store(true, Ordering::Relaxed);
         let ran = run();
         self.tracing.store(false, Ordering::Relaxed);
+        self.in_place.store(false, Ordering::Relaxed);
         let traced = self
             .trace
             .lock()
@@ -1645,7 +1885,12 @@ impl Backend for CudaBackend {
         self.dev.synchronize()?;
         let mut costs: Vec<KernelCost> = Vec::new();
         for t in &traced {
-            let micros = self.time_alone(t)?;
+            let micros = match &t.events {
+                Some((start, stop)) => {
+                    start.elapsed_ms(stop).map_err(driver("event"))? as f64 * 1e3
+                }
+                None => self.time_alone(t)?,
+            };
             let name = format!(
                 "{} grid {}x{} block {}",
                 t.label, t.cfg.grid_dim.0, t.cfg.grid_dim.1, t.cfg.block_dim.0

@@ -33,6 +33,7 @@ macro_rules! family {
 /// helpers of kernels/common.cuh.
 pub const KERNELS: &[(&str, &str)] = &[
     ("quant", family!("kernels/quant.cu")),
+    ("qmma", family!("kernels/qmma.cu")),
     ("pointwise", family!("kernels/pointwise.cu")),
     ("gdn", family!("kernels/gdn.cu")),
     ("attention", family!("kernels/attention.cu")),

@@ -33,3 +33,36 @@ __device__ __forceinline__ u64 pack_max(float v, int i) {
     const u32 ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
     return ((u64)ordered << 32) | (u64)(0xffffffffu - (u32)i);
 }
+
+__device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(((u32)v) << 16); }
+
+// One MLX affine-quantized matrix (or one expert of a stack: the pointers already offset to it):
+// codes packed low bits first in u32 words, bf16 scale and bias per group of 64 columns.
+struct QMat {
+    const u32* codes;
+    const u16* scales;
+    const u16* biases;
+};
+
+// ---- tensor cores (sm_80+): bf16 inputs, f32 accumulators.
+
+// Round to nearest even (finite values; infinities and NaN keep their class).
+__device__ __forceinline__ u32 bf16_bits(float f) {
+    const u32 u = __float_as_uint(f);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// d += a * b over one m16n8k16 tile (bf16 inputs, f32 accumulators).
+__device__ __forceinline__ void mma_bf16(float d[4], const u32 a[4], const u32 b[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// x split in two bf16 parts, hi = bf16(x) and lo = bf16(x - hi): 16 significant bits together.
+// Returns (hi, lo) bits.
+__device__ __forceinline__ void bf16_split(float x, u32& hi, u32& lo) {
+    hi = bf16_bits(x);
+    lo = bf16_bits(x - __uint_as_float(hi << 16));
+}

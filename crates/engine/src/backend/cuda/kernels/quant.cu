@@ -1,20 +1,13 @@
-// MLX affine quantized products: matrix-vector for decode, a tiled matrix-matrix for prefill,
-// the embedding gather, and the routed-expert products of the mixture of experts.
+// MLX affine quantized products for decode: matrix-vector, the embedding gather, and the
+// routed-expert products of the mixture of experts (prefill's products are in qmma.cu).
 //
 // w[r][c] = scale[r][c/64] * q[r][c] + bias[r][c/64], codes packed low bits first in u32 words,
 // scales and biases bf16. Per group the matrix-vector product is scale * sum(q * x) + bias *
 // sum(x), in f32, without rounding the dequantized weight (as the CPU reference computes it).
 //
 // No CUDA headers: NVRTC has no default include path, and bf16 is read as its 16 raw bits.
+// QMat and bf16_to_f32 live in common.cuh (the tensor-core products of qmma.cu share them).
 
-__device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(((u32)v) << 16); }
-
-// One quantized matrix (or one expert of a stack: the pointers already offset to it).
-struct QMat {
-    const u32* codes;
-    const u16* scales;
-    const u16* biases;
-};
 
 // Stages x (cols floats) in shared memory transposed, xs[j][w] = x[w * PER_WORD + j], so that the
 // matrix-vector loop reads four consecutive words' x values as one float4.
@@ -143,79 +136,6 @@ extern "C" __global__ void q4_gemv_batch(QBatch b, const float* x, int cols) { g
 extern "C" __global__ void q8_gemv_batch(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<8, 4>(b, x, cols); }
 extern "C" __global__ void q4_gemv_batch_r1(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<4, 1>(b, x, cols); }
 extern "C" __global__ void q8_gemv_batch_r1(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<8, 1>(b, x, cols); }
-
-// Tiled matrix-matrix product for prefill: y[t][n] = sum_k x[t][k] * w[n][k] over a 64x64 tile
-// of (weight rows, tokens) per block of 256 threads, one 64-column group per step: the group's
-// weights are dequantized once into shared memory and serve 64 tokens. Each thread owns 4x4
-// outputs. SIMT f32; tensor-core tiles are the next step for prefill.
-constexpr int MM_TILE = 64;
-
-template <int BITS>
-__device__ __forceinline__ void qgemm(QMat w, const float* __restrict__ x, float* __restrict__ y, int tokens,
-                                      int rows, int cols) {
-    constexpr int PER_WORD = 32 / BITS;
-    constexpr u32 MASK = (1u << BITS) - 1u;
-    constexpr int WORDS_PER_GROUP = 64 / PER_WORD;
-    __shared__ float ws[MM_TILE][MM_TILE + 1];
-    __shared__ float xt[MM_TILE][MM_TILE + 1];
-    const int n0 = blockIdx.x * MM_TILE, t0 = blockIdx.y * MM_TILE;
-    const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
-    const int words = cols / PER_WORD, groups = cols >> 6;
-    float acc[4][4] = {};
-    for (int g = 0; g < groups; ++g) {
-        // Dequantize the 64x64 weight tile: 64 rows x WORDS_PER_GROUP words.
-        for (int i = threadIdx.x; i < MM_TILE * WORDS_PER_GROUP; i += blockDim.x) {
-            const int r = i / WORDS_PER_GROUP, wi = i % WORDS_PER_GROUP;
-            const int row = n0 + r;
-            if (row < rows) {
-                const u32 q = __ldg(w.codes + (size_t)row * words + g * WORDS_PER_GROUP + wi);
-                const float s = bf16_to_f32(__ldg(w.scales + (size_t)row * groups + g));
-                const float b = bf16_to_f32(__ldg(w.biases + (size_t)row * groups + g));
-#pragma unroll
-                for (int j = 0; j < PER_WORD; ++j) ws[r][wi * PER_WORD + j] = fmaf(s, (float)((q >> (BITS * j)) & MASK), b);
-            } else {
-#pragma unroll
-                for (int j = 0; j < PER_WORD; ++j) ws[r][wi * PER_WORD + j] = 0.f;
-            }
-        }
-        for (int i = threadIdx.x; i < MM_TILE * MM_TILE; i += blockDim.x) {
-            const int t = i >> 6, k = i & 63;
-            xt[t][k] = (t0 + t < tokens) ? x[(size_t)(t0 + t) * cols + g * 64 + k] : 0.f;
-        }
-        __syncthreads();
-#pragma unroll 8
-        for (int k = 0; k < 64; ++k) {
-            float a[4], b[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] = ws[tx + 16 * i][k];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) b[j] = xt[ty + 16 * j][k];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int n = n0 + tx + 16 * i, t = t0 + ty + 16 * j;
-            if (n < rows && t < tokens) y[(size_t)t * rows + n] = acc[i][j];
-        }
-}
-
-// Launch with 256 threads and (ceil(rows / 64), ceil(tokens / 64)) blocks.
-extern "C" __global__ void q4_gemm_f32(const u32* codes, const u16* scales, const u16* biases,
-                                       const float* x, float* y, int tokens, int rows, int cols) { grid_dep();
-    qgemm<4>({codes, scales, biases}, x, y, tokens, rows, cols);
-}
-
-extern "C" __global__ void q8_gemm_f32(const u32* codes, const u16* scales, const u16* biases,
-                                       const float* x, float* y, int tokens, int rows, int cols) { grid_dep();
-    qgemm<8>({codes, scales, biases}, x, y, tokens, rows, cols);
-}
 
 // out[t][c] = dequantized row ids[t] of the table. One block per token.
 template <int BITS>
