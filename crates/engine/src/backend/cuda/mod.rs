@@ -81,6 +81,14 @@ pub struct CudaKvCache {
     pub max_seq: usize,
 }
 
+/// An activation split for the tensor-core products: bf16 hi and lo parts `[rows, cols]` (each
+/// 8-column block in the order 0 4 1 5 2 6 3 7) and f32 sums per 64-column group.
+struct Split {
+    hi: DevBuf<u16>,
+    lo: DevBuf<u16>,
+    sum: DevBuf<f32>,
+}
+
 pub struct CudaRouting {
     pub ids: DevBuf<i32>,
     pub weights: DevBuf<f32>,
@@ -97,9 +105,11 @@ struct Kernels {
     /// Tensor-core products for prefill (kernels/qmma.cu).
     mma: [CudaFunction; 2],
     embed: [CudaFunction; 2],
-    moe_gate_up: [CudaFunction; 2],
-    moe_down: [CudaFunction; 2],
+    /// `[bits][0]`: four rows per warp; `[bits][1]`: one (a token's few experts spread wider).
+    moe_gate_up: [[CudaFunction; 2]; 2],
+    moe_down: [[CudaFunction; 2]; 2],
     moe_group: CudaFunction,
+    split_bf16: CudaFunction,
     moe_gate_up_mma: [CudaFunction; 2],
     moe_down_mma: [CudaFunction; 2],
     moe_combine: CudaFunction,
@@ -140,9 +150,10 @@ impl Kernels {
             gemv_batch: transpose(pair("gemv_batch")?, pair("gemv_batch_r1")?),
             mma: pair_in("qmma", "mma")?,
             embed: pair("embed")?,
-            moe_gate_up: pair("moe_gate_up")?,
-            moe_down: pair("moe_down")?,
+            moe_gate_up: transpose(pair("moe_gate_up")?, pair("moe_gate_up_r1")?),
+            moe_down: transpose(pair("moe_down")?, pair("moe_down_r1")?),
             moe_group: f("qmma", "moe_group")?,
+            split_bf16: f("qmma", "split_bf16")?,
             moe_gate_up_mma: pair_in("qmma", "moe_gate_up_mma")?,
             moe_down_mma: pair_in("qmma", "moe_down_mma")?,
             moe_combine: f("quant", "moe_combine")?,
@@ -387,6 +398,12 @@ fn same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> Result<()> {
 /// Prompt tokens per prefill forward: the tensor-core tiles take 64 tokens, and the experts'
 /// tiles fill only when each of 256 experts sees a few dozen tokens of the chunk.
 const PREFILL_CHUNK: usize = 4096;
+/// Weight rows per block of the tensor-core products (`tc_bm<1>`, kernels/qmma.cu; the fused
+/// gate/up product takes 64 of each matrix).
+const MMA_ROWS: u32 = 128;
+/// Tokens from which the dense products run on the tensor cores (below, each token streams the
+/// weights through the matrix-vector kernels, as decode does).
+const MMA_MIN_TOKENS: usize = 8;
 /// Tokens from which the experts run grouped by expert on the tensor cores (below, each pair is
 /// a matrix-vector product: with few tokens an expert rarely serves more than one).
 const GROUPED_MOE_MIN_TOKENS: usize = 32;
@@ -458,7 +475,7 @@ impl CudaBackend {
         args: &[&dyn KernelArg],
         bytes: u64,
     ) -> Result<()> {
-        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); 16];
+        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); 24];
         if args.len() > params.len() {
             return Err(Error::Backend(format!(
                 "{label}: too many kernel arguments"
@@ -636,10 +653,18 @@ impl CudaBackend {
                 &y,
             )?;
         } else {
+            // A decode step's 9 expert products at four rows per warp fill about one block per
+            // SM; at one row per warp, four times as many blocks keep more loads in flight.
+            let r1 = self.one_row_per_warp(stride.div_ceil(32) * all);
+            let per_block = if r1 { 8 } else { 32 };
             launch!(
                 self,
-                self.k.moe_gate_up[b],
-                cfg(((stride as u32).div_ceil(32), all as u32), 256, 4 * hidden),
+                self.k.moe_gate_up[b][r1 as usize],
+                cfg(
+                    ((stride as u32).div_ceil(per_block), all as u32),
+                    256,
+                    4 * hidden
+                ),
                 [
                     self.qarg(gate),
                     self.qarg(up),
@@ -658,10 +683,16 @@ impl CudaBackend {
                     * (pairs as u64 * qbytes(inter, hidden, gate.bits)
                         + shared_bytes(inter_s, hidden))
             )?;
+            let r1 = self.one_row_per_warp(hidden.div_ceil(32) * all);
+            let per_block = if r1 { 8 } else { 32 };
             launch!(
                 self,
-                self.k.moe_down[b],
-                cfg(((hidden as u32).div_ceil(32), all as u32), 256, 4 * stride),
+                self.k.moe_down[b][r1 as usize],
+                cfg(
+                    ((hidden as u32).div_ceil(per_block), all as u32),
+                    256,
+                    4 * stride
+                ),
                 [
                     self.qarg(down),
                     sdown,
@@ -692,6 +723,66 @@ impl CudaBackend {
             ]
         )?;
         Ok(out)
+    }
+
+    /// `rows x cols` f32 at `src` as the tensor-core products read it (kernels/qmma.cu,
+    /// split_bf16): bf16 hi and lo parts and the f32 sum of each 64-column group.
+    fn split(&self, src: u64, rows: usize, cols: usize) -> Result<Split> {
+        if !cols.is_multiple_of(64) {
+            return Err(Error::Backend(format!(
+                "tensor-core product over {cols} columns (a multiple of 64 expected)"
+            )));
+        }
+        let n = rows * cols;
+        let split = Split {
+            hi: self.tmp::<u16>(n)?,
+            lo: self.tmp::<u16>(n)?,
+            sum: self.tmp::<f32>(n / 64)?,
+        };
+        if n > 0 {
+            launch!(
+                self,
+                self.k.split_bf16,
+                elementwise(n / 8),
+                [
+                    src,
+                    split.hi.ptr,
+                    split.lo.ptr,
+                    split.sum.ptr,
+                    (n / 8) as i64
+                ]
+            )?;
+        }
+        Ok(split)
+    }
+
+    /// `out = x @ w^T` on the tensor cores, `x` split (`out` is `[tokens, w.rows]`).
+    fn qmma(&self, x: &Split, w: &CudaQMatrix, out: &CudaTensor) -> Result<()> {
+        let b = bits_index(w.bits, &w.name)?;
+        let tokens = out.rows;
+        if tokens == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let grid = (
+            (w.rows as u32).div_ceil(MMA_ROWS),
+            (tokens as u32).div_ceil(64),
+        );
+        launch!(
+            self,
+            self.k.mma[b],
+            cfg(grid, 256, 0),
+            [
+                self.qarg(w),
+                x.hi.ptr,
+                x.lo.ptr,
+                x.sum.ptr,
+                self.ptr(&out.buf),
+                tokens as i32,
+                w.rows as i32,
+                w.cols as i32
+            ],
+            bytes = qbytes(w.rows, w.cols, w.bits)
+        )
     }
 
     /// The expert products of `moe` on the tensor cores: the pairs (and the shared expert's
@@ -743,6 +834,7 @@ impl CudaBackend {
             ]
         )?;
         let stride = inter.max(inter_s);
+        let xs = self.split(self.ptr(&x.buf), t, hidden)?;
         let expert_bytes = |rows, cols| {
             // Every expert's matrix is read at least once (an upper bound for sparse routing).
             e.min(pairs) as u64 * qbytes(rows, cols, gate.bits)
@@ -764,7 +856,9 @@ impl CudaBackend {
                 perm.ptr,
                 tiles.ptr,
                 ntiles.ptr,
-                self.ptr(&x.buf),
+                xs.hi.ptr,
+                xs.lo.ptr,
+                xs.sum.ptr,
                 act.ptr,
                 rt.top_k as i32,
                 pairs as i32,
@@ -775,17 +869,25 @@ impl CudaBackend {
             ],
             bytes = 2 * expert_bytes(inter, hidden)
         )?;
+        drop(xs);
+        let acts = self.split(act.ptr, all, stride)?;
         launch!(
             self,
             self.k.moe_down_mma[b],
-            cfg((max_tiles as u32, (hidden as u32).div_ceil(64)), 256, 0),
+            cfg(
+                (max_tiles as u32, (hidden as u32).div_ceil(MMA_ROWS)),
+                256,
+                0
+            ),
             [
                 self.qarg(down),
                 sdown,
                 perm.ptr,
                 tiles.ptr,
                 ntiles.ptr,
-                act.ptr,
+                acts.hi.ptr,
+                acts.lo.ptr,
+                acts.sum.ptr,
                 y.ptr,
                 e as i32,
                 inter as i32,
@@ -1232,7 +1334,7 @@ impl Backend for CudaBackend {
         );
         // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
         // run on the tensor cores, each 64-row tile of codes serving 64 tokens.
-        if x.rows < 8 {
+        if x.rows < MMA_MIN_TOKENS {
             let r1 = self.one_row_per_warp(w.rows.div_ceil(32));
             let per_block = if r1 { 8 } else { 32 };
             let grid = ((w.rows as u32).div_ceil(per_block), x.rows as u32);
@@ -1252,26 +1354,26 @@ impl Backend for CudaBackend {
                 bytes = x.rows as u64 * qbytes(w.rows, w.cols, w.bits)
             )?;
         } else {
-            let grid = ((w.rows as u32).div_ceil(64), (x.rows as u32).div_ceil(64));
-            launch!(
-                self,
-                self.k.mma[b],
-                cfg(grid, 256, 0),
-                [
-                    self.qarg(w),
-                    args.3,
-                    args.4,
-                    x.rows as i32,
-                    w.rows as i32,
-                    w.cols as i32
-                ],
-                bytes = qbytes(w.rows, w.cols, w.bits)
-            )?;
+            let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
+            self.qmma(&split, w, &out)?;
         }
         Ok(out)
     }
 
     fn qmatmul_many(&self, x: &CudaTensor, ws: &[&CudaQMatrix]) -> Result<Vec<CudaTensor>> {
+        if x.rows >= MMA_MIN_TOKENS {
+            // One split of the input serves every product.
+            let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
+            return ws
+                .iter()
+                .map(|w| {
+                    self.check_q(x.cols, w)?;
+                    let out = self.tensor(x.rows, w.rows)?;
+                    self.qmma(&split, w, &out)?;
+                    Ok(out)
+                })
+                .collect();
+        }
         if x.rows != 1 {
             return ws.iter().map(|w| self.qmatmul(x, w)).collect();
         }
@@ -1478,11 +1580,11 @@ impl Backend for CudaBackend {
         }
         let y = self.tensor(qkv.rows, hv * dv)?;
         if qkv.rows > 0 {
-            // 32 state rows per block, four threads each.
+            // 8 state rows per block, sixteen threads each.
             launch!(
                 self,
                 self.k.gdn_recurrence[variant],
-                cfg((hv as u32, (dv as u32).div_ceil(32)), 128, 0),
+                cfg((hv as u32, (dv as u32).div_ceil(8)), 128, 0),
                 [
                     self.ptr(&qkv.buf),
                     self.ptr(&a.buf),

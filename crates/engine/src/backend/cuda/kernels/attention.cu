@@ -181,8 +181,6 @@ __host__ __device__ constexpr int fa_smem_bytes(int d) {
     return 2 * (2 * FA_BQ * (d + 8) + 2 * FA_BK * (d + 8) + 2 * d * FA_VT);
 }
 
-__device__ __forceinline__ u32 lds32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
-
 // Rows [row0, row0 + rows) of a [*, ld] f32 matrix, D columns from col0, scaled, split into
 // hi/lo bf16 tiles [rows][D + 8]; rows at or past `valid` are zero.
 template <int D>
@@ -264,19 +262,21 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
             for (int e = 0; e < 4; ++e) s[n][e] = sx[n][e] = 0.f;
 #pragma unroll 4
         for (int ks = 0; ks < D / 16; ++ks) {
-            const int c = ks * 16 + 2 * cq, r = warp * 16 + gq;
-            const u32 ah[4] = {lds32(qh + r * (D + 8) + c), lds32(qh + (r + 8) * (D + 8) + c),
-                               lds32(qh + r * (D + 8) + c + 8), lds32(qh + (r + 8) * (D + 8) + c + 8)};
-            const u32 al[4] = {lds32(ql + r * (D + 8) + c), lds32(ql + (r + 8) * (D + 8) + c),
-                               lds32(ql + r * (D + 8) + c + 8), lds32(ql + (r + 8) * (D + 8) + c + 8)};
+            u32 ah[4], al[4];
+            ldsm_a(ah, qh + warp * 16 * (D + 8) + ks * 16, D + 8);
+            ldsm_a(al, ql + warp * 16 * (D + 8) + ks * 16, D + 8);
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                const int kr = n * 8 + gq;
-                const u32 bh[2] = {lds32(kh + kr * (D + 8) + c), lds32(kh + kr * (D + 8) + c + 8)};
-                const u32 bl[2] = {lds32(kl + kr * (D + 8) + c), lds32(kl + kr * (D + 8) + c + 8)};
-                mma_bf16(s[n], ah, bh);
-                mma_bf16(sx[n], ah, bl);
-                mma_bf16(sx[n], al, bh);
+            for (int n2 = 0; n2 < 2; ++n2) {
+                u32 bh[4], bl[4];  // keys n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
+                ldsm_b2(bh, kh + n2 * 16 * (D + 8) + ks * 16, D + 8);
+                ldsm_b2(bl, kl + n2 * 16 * (D + 8) + ks * 16, D + 8);
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2) {
+                    const int n = 2 * n2 + h2;
+                    mma_bf16(s[n], ah, bh + 2 * h2);
+                    mma_bf16(sx[n], ah, bl + 2 * h2);
+                    mma_bf16(sx[n], al, bh + 2 * h2);
+                }
             }
         }
 #pragma unroll
@@ -334,15 +334,18 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
                 ph[i] = h0 | (h1 << 16);
                 pl[i] = l0 | (l1 << 16);
             }
-            const int c = kk * 16 + 2 * cq;
 #pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                const int dr = n * 8 + gq;
-                const u32 bh[2] = {lds32(vth + dr * FA_VT + c), lds32(vth + dr * FA_VT + c + 8)};
-                const u32 bl[2] = {lds32(vtl + dr * FA_VT + c), lds32(vtl + dr * FA_VT + c + 8)};
-                mma_bf16(acc[n], ph, bh);
-                mma_bf16(acc[n], ph, bl);
-                mma_bf16(acc[n], pl, bh);
+            for (int n2 = 0; n2 < NO / 2; ++n2) {
+                u32 bh[4], bl[4];  // dims n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
+                ldsm_b2(bh, vth + n2 * 16 * FA_VT + kk * 16, FA_VT);
+                ldsm_b2(bl, vtl + n2 * 16 * FA_VT + kk * 16, FA_VT);
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2) {
+                    float* o = acc[2 * n2 + h2];
+                    mma_bf16(o, ph, bh + 2 * h2);
+                    mma_bf16(o, ph, bl + 2 * h2);
+                    mma_bf16(o, pl, bh + 2 * h2);
+                }
             }
         }
     }

@@ -66,3 +66,27 @@ __device__ __forceinline__ void bf16_split(float x, u32& hi, u32& lo) {
     hi = bf16_bits(x);
     lo = bf16_bits(x - __uint_as_float(hi << 16));
 }
+
+// Four 8x8 bf16 matrices from shared memory, one per eight lanes' row addresses (lanes 8i..8i+7
+// give the rows of matrix i); lane l receives row l / 4, columns 2 (l % 4) and +1 of each.
+__device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* row) {
+    u32 addr;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// The A fragment of an m16n8k16 product (16 rows x 16 columns at `tile`, row pitch `ld`
+// elements): matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
+__device__ __forceinline__ void ldsm_a(u32 a[4], const u16* tile, int ld) {
+    const int l = threadIdx.x & 31;
+    ldsm_x4(a, tile + ((l & 7) + 8 * ((l >> 3) & 1)) * ld + 8 * (l >> 4));
+}
+
+// The B fragments of two adjacent n8 tiles (16 rows of n with k contiguous, 16 columns of k):
+// b[0..1] for rows 0-7, b[2..3] for rows 8-15.
+__device__ __forceinline__ void ldsm_b2(u32 b[4], const u16* tile, int ld) {
+    const int l = threadIdx.x & 31;
+    ldsm_x4(b, tile + ((l & 7) + 8 * (l >> 4)) * ld + 8 * ((l >> 3) & 1));
+}

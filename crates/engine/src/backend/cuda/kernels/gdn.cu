@@ -47,103 +47,160 @@ extern "C" __global__ void conv1d_silu(const float* x, const float* w, float* wi
         }
 }
 
-// The gated delta rule for value head blockIdx.x, state rows [blockIdx.y * 32, +32), token by
+// The gated delta rule for value head blockIdx.x, state rows [blockIdx.y * 8, +8), token by
 // token:
 //   q, k = l2norm(q), l2norm(k); q *= dk^-1/2
 //   decay = exp(-exp(a_log) * softplus(a + dt_bias)); beta = sigmoid(b)
 //   per row: s *= decay; delta = (v - s.k) * beta; s += delta * k; y = s.q
-// Four threads share a row, each holding a quarter of its keys in registers (float4 j of the
-// thread with part p is keys 4 * (p + 4j) ..), so the row's dot products reduce over two
-// shuffles. The block stages a chunk of tokens' q, k (normalised once, by one warp per token),
-// v and gates in shared memory, then runs the chunk's dependent steps from there.
+// Sixteen threads share a row, each holding a sixteenth of its keys in registers (float4 j of
+// the thread with part p is keys 4 * (p + 16j) ..), so the row's dot products reduce over four
+// shuffles. Each token is a chain of dependent steps, so what sets the pace is how many warps an
+// SM can interleave: sixteen threads per row give 1,024 warps for the 35B's 4,096 state rows.
+// Tokens arrive in chunks, copied asynchronously (cp.async) into one of two shared buffers while
+// the block runs the previous chunk's steps; on arrival q and k are normalised and the gates
+// computed, all tokens of the chunk at once.
 // qkv is the conv output [T, 2*Hk*dk + Hv*dv]; a and b are [T, Hv]; y is [T, Hv*dv].
-constexpr int GDN_ROWS = 32;
-constexpr int GDN_THREADS = 4 * GDN_ROWS;
+constexpr int GDN_TPR = 16;  // threads per state row
+constexpr int GDN_THREADS = 128;
+constexpr int GDN_ROWS = GDN_THREADS / GDN_TPR;
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// One staged chunk: q and k [CHUNK][DK], v [CHUNK][GDN_ROWS], a then decay [CHUNK], b then
+// beta [CHUNK].
+template <int DK>
+struct GdnChunk {
+    static constexpr int CHUNK = 2048 / DK;  // 16 KB of q and k per buffer
+    float4 q[CHUNK][DK / 4], k[CHUNK][DK / 4];
+    float v[CHUNK][GDN_ROWS];
+    float a[CHUNK], b[CHUNK];
+};
 
 template <int DK>
 __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const float* a, const float* b,
                                                     const float* a_log, const float* dt_bias, float* state,
                                                     float* y, int tokens, int hk, int hv, int dv, float l2_eps) {
-    constexpr int D4 = DK / 4;        // float4 per q or k row
-    constexpr int NJ = DK / 16;       // float4 per thread
-    constexpr int CHUNK = 4096 / DK;  // tokens staged at once (32 KB of q and k)
-    __shared__ float4 qs[CHUNK][D4], ks[CHUNK][D4];
-    __shared__ float vs[CHUNK][GDN_ROWS];
-    __shared__ float decay_s[CHUNK], beta_s[CHUNK];
-    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int r = tid >> 2, part = tid & 3, row = blockIdx.y * GDN_ROWS + r;
+    constexpr int D4 = DK / 4;              // float4 per q or k row
+    constexpr int NJ = DK / (4 * GDN_TPR);  // float4 per thread
+    constexpr int CHUNK = GdnChunk<DK>::CHUNK;
+    __shared__ GdnChunk<DK> buf[2];
+    const int h = blockIdx.x, tid = threadIdx.x;
+    const int r = tid / GDN_TPR, part = tid % GDN_TPR, row = blockIdx.y * GDN_ROWS + r;
     const int kh = h / (hv / hk), kd = hk * DK, cols = 2 * kd + hv * dv;
     const bool live = row < dv;
     float4* st = reinterpret_cast<float4*>(state + ((size_t)h * dv + row) * DK);
     float4 s[NJ];
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) s[j] = live ? st[part + 4 * j] : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < NJ; ++j) s[j] = live ? st[part + GDN_TPR * j] : make_float4(0.f, 0.f, 0.f, 0.f);
     const float qscale = rsqrtf((float)DK), neg_a = -expf(a_log[h]), dtb = dt_bias[h];
-    for (int t0 = 0; t0 < tokens; t0 += CHUNK) {
+    auto fetch = [&](int t0, GdnChunk<DK>& c) {
         const int n = min(CHUNK, tokens - t0);
-        __syncthreads();  // the previous chunk is done with the staged values
         for (int i = tid; i < n * D4; i += GDN_THREADS) {
-            const int t = i / D4, c = i % D4;
+            const int t = i / D4, x = i % D4;
             const float4* in = reinterpret_cast<const float4*>(qkv + (size_t)(t0 + t) * cols);
-            qs[t][c] = in[kh * D4 + c];
-            ks[t][c] = in[kd / 4 + kh * D4 + c];
+            cp_async16(&c.q[t][x], in + kh * D4 + x);
+            cp_async16(&c.k[t][x], in + kd / 4 + kh * D4 + x);
         }
         for (int i = tid; i < n * GDN_ROWS; i += GDN_THREADS) {
             const int t = i / GDN_ROWS, vr = blockIdx.y * GDN_ROWS + i % GDN_ROWS;
-            vs[t][i % GDN_ROWS] = vr < dv ? qkv[(size_t)(t0 + t) * cols + 2 * kd + h * dv + vr] : 0.f;
+            if (vr < dv) cp_async4(&c.v[t][i % GDN_ROWS], qkv + (size_t)(t0 + t) * cols + 2 * kd + h * dv + vr);
+            else c.v[t][i % GDN_ROWS] = 0.f;
         }
-        __syncthreads();
-        for (int t = warp; t < n; t += GDN_THREADS / 32) {
+        for (int t = tid; t < n; t += GDN_THREADS) {
+            cp_async4(&c.a[t], a + (size_t)(t0 + t) * hv + h);
+            cp_async4(&c.b[t], b + (size_t)(t0 + t) * hv + h);
+        }
+        cp_async_commit();
+    };
+    if (tokens > 0) fetch(0, buf[0]);
+    for (int t0 = 0, ci = 0; t0 < tokens; t0 += CHUNK, ci ^= 1) {
+        const int n = min(CHUNK, tokens - t0);
+        GdnChunk<DK>& c = buf[ci];
+        cp_async_wait_all();
+        __syncthreads();  // the chunk has landed, and every thread is done with the other buffer
+        // Normalise: sixteen threads per token (every lane takes part in the shuffles).
+        for (int base = 0; base < n; base += GDN_ROWS) {
+            const int t = base + tid / GDN_TPR;
+            const bool ok = t < n;
             float qq = 0.f, kk = 0.f;
-            for (int c = lane; c < D4; c += 32) {
-                const float4 q = qs[t][c], k = ks[t][c];
-                qq += q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w;
-                kk += k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+                if (ok) {
+                    const float4 q = c.q[t][part + GDN_TPR * j], k = c.k[t][part + GDN_TPR * j];
+                    qq += q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w;
+                    kk += k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w;
+                }
+#pragma unroll
+            for (int m = 1; m < GDN_TPR; m <<= 1) {
+                qq += __shfl_xor_sync(0xffffffffu, qq, m);
+                kk += __shfl_xor_sync(0xffffffffu, kk, m);
             }
-            const float qn = qscale / sqrtf(warp_sum(qq) + l2_eps), kn = 1.f / sqrtf(warp_sum(kk) + l2_eps);
-            for (int c = lane; c < D4; c += 32) {
-                const float4 q = qs[t][c], k = ks[t][c];
-                qs[t][c] = make_float4(q.x * qn, q.y * qn, q.z * qn, q.w * qn);
-                ks[t][c] = make_float4(k.x * kn, k.y * kn, k.z * kn, k.w * kn);
-            }
-            if (lane == 0) {
-                decay_s[t] = expf(neg_a * softplus(a[(size_t)(t0 + t) * hv + h] + dtb));
-                beta_s[t] = sigmoid(b[(size_t)(t0 + t) * hv + h]);
-            }
+            const float qn = qscale / sqrtf(qq + l2_eps), kn = 1.f / sqrtf(kk + l2_eps);
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+                if (ok) {
+                    const float4 q = c.q[t][part + GDN_TPR * j], k = c.k[t][part + GDN_TPR * j];
+                    c.q[t][part + GDN_TPR * j] = make_float4(q.x * qn, q.y * qn, q.z * qn, q.w * qn);
+                    c.k[t][part + GDN_TPR * j] = make_float4(k.x * kn, k.y * kn, k.z * kn, k.w * kn);
+                }
+        }
+        for (int t = tid; t < n; t += GDN_THREADS) {
+            c.a[t] = expf(neg_a * softplus(c.a[t] + dtb));
+            c.b[t] = sigmoid(c.b[t]);
         }
         __syncthreads();
+        if (t0 + CHUNK < tokens) fetch(t0 + CHUNK, buf[ci ^ 1]);
+        // The dot products keep four partial sums (one per float4 lane) so that consecutive
+        // multiply-adds do not wait on each other.
+#pragma unroll 2
         for (int t = 0; t < n; ++t) {
-            const float decay = decay_s[t], beta = beta_s[t];
+            const float decay = c.a[t], beta = c.b[t];
             float4 k[NJ];
-            float kv = 0.f;
+            float4 kv4 = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
-                k[j] = ks[t][part + 4 * j];
+                k[j] = c.k[t][part + GDN_TPR * j];
                 s[j] = make_float4(s[j].x * decay, s[j].y * decay, s[j].z * decay, s[j].w * decay);
-                kv = fmaf(s[j].x, k[j].x, fmaf(s[j].y, k[j].y, fmaf(s[j].z, k[j].z, fmaf(s[j].w, k[j].w, kv))));
+                kv4 = make_float4(fmaf(s[j].x, k[j].x, kv4.x), fmaf(s[j].y, k[j].y, kv4.y),
+                                  fmaf(s[j].z, k[j].z, kv4.z), fmaf(s[j].w, k[j].w, kv4.w));
             }
-            kv += __shfl_xor_sync(0xffffffffu, kv, 1);
-            kv += __shfl_xor_sync(0xffffffffu, kv, 2);
-            const float delta = (vs[t][r] - kv) * beta;
-            float o = 0.f;
+            float kv = (kv4.x + kv4.y) + (kv4.z + kv4.w);
+#pragma unroll
+            for (int m = 1; m < GDN_TPR; m <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, m);
+            const float delta = (c.v[t][r] - kv) * beta;
+            float4 o4 = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
-                const float4 q = qs[t][part + 4 * j];
+                const float4 q = c.q[t][part + GDN_TPR * j];
                 s[j] = make_float4(fmaf(delta, k[j].x, s[j].x), fmaf(delta, k[j].y, s[j].y),
                                    fmaf(delta, k[j].z, s[j].z), fmaf(delta, k[j].w, s[j].w));
-                o = fmaf(s[j].x, q.x, fmaf(s[j].y, q.y, fmaf(s[j].z, q.z, fmaf(s[j].w, q.w, o))));
+                o4 = make_float4(fmaf(s[j].x, q.x, o4.x), fmaf(s[j].y, q.y, o4.y), fmaf(s[j].z, q.z, o4.z),
+                                 fmaf(s[j].w, q.w, o4.w));
             }
-            o += __shfl_xor_sync(0xffffffffu, o, 1);
-            o += __shfl_xor_sync(0xffffffffu, o, 2);
+            float o = (o4.x + o4.y) + (o4.z + o4.w);
+#pragma unroll
+            for (int m = 1; m < GDN_TPR; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
             if (part == 0 && live) y[(size_t)(t0 + t) * hv * dv + h * dv + row] = o;
         }
     }
     if (live)
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) st[part + 4 * j] = s[j];
+        for (int j = 0; j < NJ; ++j) st[part + GDN_TPR * j] = s[j];
 }
 
-// Key dims 64, 128 and 256. Launch with 128 threads and (Hv, ceil(dv / 32)) blocks.
+// Key dims 64, 128 and 256. Launch with 128 threads and (Hv, ceil(dv / 8)) blocks.
 #define GDN_RECURRENCE(DK)                                                                                  \
     extern "C" __global__ void __launch_bounds__(GDN_THREADS)                                              \
         gdn_recurrence_k##DK(const float* qkv, const float* a, const float* b, const float* a_log,        \

@@ -10,28 +10,102 @@
 //   acc = scale * sum(q * x) + (bias * sum(x) + acc)
 // which keeps the products within ~1e-10 (NMSE) of the CPU reference.
 //
+// Split activations. split_bf16 writes a product's input once as hi and lo [rows][cols] plus the
+// f32 sum of each 64-column group [rows][cols / 64], so that the product's blocks (which all
+// read the same rows) stage them by plain copies. Within each 8-column block the columns are
+// stored in the order 0 4 1 5 2 6 3 7: a u32 of eight 4-bit codes then unpacks, two nibbles at
+// a time ((w >> 4p) & 0x000f000f), straight into the bf16 pairs that meet them. The weights use
+// the same order, so every dot product is unchanged.
+//
 // Tile: 64 weight rows x 64 token slots per block of 8 warps (2 along rows x 4 along tokens,
 // each warp 32 rows x 16 tokens as 2 x 2 mma.m16n8k16 tiles), one 64-column group per step.
 // The next group's codes and activations are loaded into registers while the tensor cores work
-// on the current one. Slot s of a block reads activation row xrow[s] and writes output row
-// yrow[s] (null: an empty slot), so one core serves dense and grouped products.
+// on the current one. Slot s of a block reads split row xrow[s] (-1: an empty slot) and writes
+// output row yrow[s], so one core serves dense and grouped products.
 
-constexpr int TC_BM = 64;
+// Weight rows per block: 128 for a plain product (each warp 64 rows x 16 slots, 4 x 2 tiles),
+// 64 for gate + up (each warp 32 rows of both matrices x 16 slots): either way a warp's B
+// fragments serve 4 row tiles, which keeps shared-memory reads per product at 1.5 wavefronts.
+template <int NMAT>
+__host__ __device__ constexpr int tc_bm() { return NMAT == 1 ? 128 : 64; }
 constexpr int TC_BN = 64;
 // Shared row pitch in bf16: 64 + 8, so that the fragment loads of a warp hit 32 different banks.
 constexpr int TC_LD = 72;
 constexpr int TC_THREADS = 256;
 
+// One thread per 8-column block of x [rows][cols] (cols a multiple of 64): hi and lo in the
+// stored order above, and each group's sum. Launch with 256 threads and ceil(rows * cols / 8 /
+// 256) blocks.
+extern "C" __global__ void split_bf16(const float* x, u16* hi, u16* lo, float* sum, long long blocks8) {
+    grid_dep();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    // A group's 8 threads are all in range or all out (blocks8 is a multiple of 8).
+    if (i >= blocks8) return;
+    const float4 a = reinterpret_cast<const float4*>(x)[2 * i], b = reinterpret_cast<const float4*>(x)[2 * i + 1];
+    const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    u32 h[4], l[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        u32 h0, l0, h1, l1;
+        bf16_split(f[p], h0, l0);
+        bf16_split(f[p + 4], h1, l1);
+        h[p] = h0 | (h1 << 16);
+        l[p] = l0 | (l1 << 16);
+    }
+    reinterpret_cast<uint4*>(hi)[i] = make_uint4(h[0], h[1], h[2], h[3]);
+    reinterpret_cast<uint4*>(lo)[i] = make_uint4(l[0], l[1], l[2], l[3]);
+    float s = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+    const u32 group = 0xffu << (threadIdx.x & 24);
+    s += __shfl_xor_sync(group, s, 1);
+    s += __shfl_xor_sync(group, s, 2);
+    s += __shfl_xor_sync(group, s, 4);
+    if ((i & 7) == 0) sum[i >> 3] = s;
+}
+
+// a * b + c on two bf16 lanes.
+__device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Eight codes of one 8-column block as the bf16 pairs (column p, column p + 4), p = 0..3.
+// 4-bit: OR-ing a nibble into the mantissa of 128.0 gives 128 + q exactly; one fused
+// multiply-add takes the 128 off again (exact). 8-bit codes go through f32.
+template <int BITS>
+__device__ __forceinline__ uint4 codes_to_bf16(const u32 (&w)[BITS / 4]) {
+    u32 out[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        if constexpr (BITS == 4) {
+            out[p] = bf16x2_fma(((w[0] >> (4 * p)) & 0x000f000fu) | 0x43004300u, 0x3f803f80u, 0xc300c300u);
+        } else {
+            const u32 lo = __float_as_uint((float)((w[0] >> (8 * p)) & 0xffu)) >> 16;
+            const u32 hi = __float_as_uint((float)((w[1] >> (8 * p)) & 0xffu)) >> 16;
+            out[p] = lo | (hi << 16);
+        }
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// A split input (see split_bf16) with rows of ld columns (the product may read fewer).
+struct SplitX {
+    const u16* hi;
+    const u16* lo;
+    const float* sum;
+    int ld;
+};
+
 // NMAT = 1: a plain product; NMAT = 2: gate and up of one expert, written as silu(gate) * up.
 template <int NMAT>
-struct TcSmem {
-    u16 w[NMAT][TC_BM][TC_LD];  // codes as bf16
+struct __align__(16) TcSmem {
+    u16 w[NMAT][tc_bm<NMAT>()][TC_LD];  // codes as bf16
     u16 xh[TC_BN][TC_LD];       // activations, high part
     u16 xl[TC_BN][TC_LD];       // activations, low part
-    float scale[NMAT][TC_BM];
-    float bias[NMAT][TC_BM];
+    float scale[NMAT][tc_bm<NMAT>()];
+    float bias[NMAT][tc_bm<NMAT>()];
     float sx[TC_BN];  // sum of the group's activations per slot
-    const float* xrow[TC_BN];
+    int xrow[TC_BN];
     float* yrow[TC_BN];
 };
 
@@ -41,31 +115,33 @@ struct QMats {
     QMat m[NMAT];
 };
 
-// One group's global data, held in registers between its load and its store to shared memory.
+// One group's global data, held in registers between its load and its store to shared memory:
+// BM / 32 8-column blocks of codes per thread and matrix, and 16 columns of one slot.
 template <int BITS, int NMAT>
 struct TcStage {
-    static constexpr int WORDS = 64 * BITS / 32;            // code words per row and group
-    static constexpr int WPT = TC_BM * WORDS / TC_THREADS;  // code words per thread and matrix
-    u32 codes[NMAT][WPT];
-    float4 x[4];
+    static constexpr int BLOCKS = tc_bm<NMAT>() / 32;
+    u32 codes[NMAT][BLOCKS][BITS / 4];
+    uint4 xh[2], xl[2];
+    float xsum;
     u16 s, b;
 };
 
 template <int BITS, int NMAT>
-__device__ __forceinline__ void tc_load(TcStage<BITS, NMAT>& st, const QMats<NMAT>& mats, const TcSmem<NMAT>& sm,
-                                        int n0, int rows, int cols, int g) {
-    constexpr int WORDS = TcStage<BITS, NMAT>::WORDS;
+__device__ __forceinline__ void tc_load(TcStage<BITS, NMAT>& st, const QMats<NMAT>& mats, SplitX x,
+                                        const TcSmem<NMAT>& sm, int n0, int rows, int cols, int g) {
     const int tid = threadIdx.x;
     const size_t words = (size_t)cols * BITS / 32;
 #pragma unroll
     for (int m = 0; m < NMAT; ++m)
 #pragma unroll
-        for (int j = 0; j < TcStage<BITS, NMAT>::WPT; ++j) {
-            const int i = tid + j * TC_THREADS, r = i / WORDS, wi = i % WORDS;
-            st.codes[m][j] = n0 + r < rows ? __ldg(mats.m[m].codes + (size_t)(n0 + r) * words + g * WORDS + wi) : 0u;
+        for (int j = 0; j < TcStage<BITS, NMAT>::BLOCKS; ++j) {
+            const int blk = tid + j * TC_THREADS, r = blk >> 3, bi = blk & 7;
+            const u32* src = mats.m[m].codes + (size_t)(n0 + r) * words + (size_t)(g * 8 + bi) * (BITS / 4);
+#pragma unroll
+            for (int k = 0; k < BITS / 4; ++k) st.codes[m][j][k] = n0 + r < rows ? __ldg(src + k) : 0u;
         }
-    // Threads 64 * m + r fetch row r's scale and bias of matrix m.
-    const int m = tid / TC_BM, r = tid % TC_BM;
+    // Threads BM * m + r fetch row r's scale and bias of matrix m.
+    const int m = tid / tc_bm<NMAT>(), r = tid % tc_bm<NMAT>();
     st.s = st.b = 0;
     if (m < NMAT && n0 + r < rows) {
         const size_t gi = (size_t)(n0 + r) * (cols >> 6) + g;
@@ -73,124 +149,86 @@ __device__ __forceinline__ void tc_load(TcStage<BITS, NMAT>& st, const QMats<NMA
         st.b = __ldg(mats.m[m].biases + gi);
     }
     // Four threads per slot, 16 columns each.
-    const float* xr = sm.xrow[tid >> 2];
+    const int row = sm.xrow[tid >> 2];
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const size_t at = (size_t)row * x.ld + g * 64 + (tid & 3) * 16;
 #pragma unroll
-    for (int v = 0; v < 4; ++v)
-        st.x[v] = xr ? *reinterpret_cast<const float4*>(xr + g * 64 + (tid & 3) * 16 + 4 * v)
-                     : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int v = 0; v < 2; ++v) {
+        st.xh[v] = row >= 0 ? *reinterpret_cast<const uint4*>(x.hi + at + 8 * v) : zero;
+        st.xl[v] = row >= 0 ? *reinterpret_cast<const uint4*>(x.lo + at + 8 * v) : zero;
+    }
+    st.xsum = row >= 0 && (tid & 3) == 0 ? x.sum[(size_t)row * (x.ld >> 6) + g] : 0.f;
 }
 
 template <int BITS, int NMAT>
 __device__ __forceinline__ void tc_store(const TcStage<BITS, NMAT>& st, TcSmem<NMAT>& sm) {
-    constexpr int WORDS = TcStage<BITS, NMAT>::WORDS;
-    constexpr int PER_WORD = 32 / BITS;
-    constexpr u32 MASK = (1u << BITS) - 1u;
     const int tid = threadIdx.x;
 #pragma unroll
     for (int m = 0; m < NMAT; ++m)
 #pragma unroll
-        for (int j = 0; j < TcStage<BITS, NMAT>::WPT; ++j) {
-            const int i = tid + j * TC_THREADS, r = i / WORDS, wi = i % WORDS;
-            const u32 q = st.codes[m][j];
-            u32 packed[PER_WORD / 2];
-#pragma unroll
-            for (int p = 0; p < PER_WORD / 2; ++p) {
-                // Codes up to 255 are exact in bf16: the top half of their f32 bits.
-                const u32 lo = __float_as_uint((float)((q >> (BITS * 2 * p)) & MASK)) >> 16;
-                const u32 hi = __float_as_uint((float)((q >> (BITS * (2 * p + 1))) & MASK)) >> 16;
-                packed[p] = lo | (hi << 16);
-            }
-            u32* dst = reinterpret_cast<u32*>(&sm.w[m][r][wi * PER_WORD]);
-#pragma unroll
-            for (int p = 0; p < PER_WORD / 2; ++p) dst[p] = packed[p];
+        for (int j = 0; j < TcStage<BITS, NMAT>::BLOCKS; ++j) {
+            const int blk = tid + j * TC_THREADS;
+            *reinterpret_cast<uint4*>(&sm.w[m][blk >> 3][(blk & 7) * 8]) = codes_to_bf16<BITS>(st.codes[m][j]);
         }
-    const int m = tid / TC_BM, r = tid % TC_BM;
+    const int m = tid / tc_bm<NMAT>(), r = tid % tc_bm<NMAT>();
     if (m < NMAT) {
         sm.scale[m][r] = bf16_to_f32(st.s);
         sm.bias[m][r] = bf16_to_f32(st.b);
     }
     const int slot = tid >> 2, c0 = (tid & 3) * 16;
-    u32 hi[8], lo[8];
-    float sum = 0.f;
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-        const float f[4] = {st.x[v].x, st.x[v].y, st.x[v].z, st.x[v].w};
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-            u32 h0, l0, h1, l1;
-            bf16_split(f[e], h0, l0);
-            bf16_split(f[e + 1], h1, l1);
-            hi[2 * v + e / 2] = h0 | (h1 << 16);
-            lo[2 * v + e / 2] = l0 | (l1 << 16);
-            sum += f[e] + f[e + 1];
-        }
+    for (int v = 0; v < 2; ++v) {
+        *reinterpret_cast<uint4*>(&sm.xh[slot][c0 + 8 * v]) = st.xh[v];
+        *reinterpret_cast<uint4*>(&sm.xl[slot][c0 + 8 * v]) = st.xl[v];
     }
-    u32* dh = reinterpret_cast<u32*>(&sm.xh[slot][c0]);
-    u32* dl = reinterpret_cast<u32*>(&sm.xl[slot][c0]);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        dh[i] = hi[i];
-        dl[i] = lo[i];
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if ((tid & 3) == 0) sm.sx[slot] = sum;
+    if ((tid & 3) == 0) sm.sx[slot] = st.xsum;
 }
 
-// The block's 64 rows [n0, n0 + 64) of `rows` against its slots (set in sm.xrow / sm.yrow, and
+// The block's BM rows [n0, n0 + BM) of `rows` against its slots (set in sm.xrow / sm.yrow, and
 // synchronised, by the caller) over `cols` columns; results written to the slots' rows.
 template <int BITS, int NMAT>
-__device__ __forceinline__ void tc_product(const QMats<NMAT> mats, TcSmem<NMAT>& sm, int n0, int rows, int cols) {
+__device__ __forceinline__ void tc_product(const QMats<NMAT> mats, SplitX x, TcSmem<NMAT>& sm, int n0, int rows,
+                                           int cols) {
+    constexpr int MI = tc_bm<NMAT>() / 32;  // 16-row tiles per warp
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 1, wn = warp >> 1;  // warp tile: rows wm * 32.., slots wn * 16..
+    const int wm = warp & 1, wn = warp >> 1;  // warp tile: rows wm * 16 MI.., slots wn * 16..
     const int gq = lane >> 2, cq = lane & 3;  // mma fragment coordinates
-    float acc[NMAT][2][2][4] = {};
+    float acc[NMAT][MI][2][4] = {};
     TcStage<BITS, NMAT> st;
     const int groups = cols >> 6;
-    tc_load<BITS, NMAT>(st, mats, sm, n0, rows, cols, 0);
+    tc_load<BITS, NMAT>(st, mats, x, sm, n0, rows, cols, 0);
     tc_store<BITS, NMAT>(st, sm);
     __syncthreads();
     for (int g = 0; g < groups; ++g) {
-        if (g + 1 < groups) tc_load<BITS, NMAT>(st, mats, sm, n0, rows, cols, g + 1);
-        float d[NMAT][2][2][4] = {};
+        if (g + 1 < groups) tc_load<BITS, NMAT>(st, mats, x, sm, n0, rows, cols, g + 1);
+        float d[NMAT][MI][2][4] = {};
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            const int k0 = kk * 16 + 2 * cq;
-            u32 bh[2][2], bl[2][2];
-#pragma unroll
-            for (int ni = 0; ni < 2; ++ni) {
-                const int s = wn * 16 + ni * 8 + gq;
-                bh[ni][0] = *reinterpret_cast<const u32*>(&sm.xh[s][k0]);
-                bh[ni][1] = *reinterpret_cast<const u32*>(&sm.xh[s][k0 + 8]);
-                bl[ni][0] = *reinterpret_cast<const u32*>(&sm.xl[s][k0]);
-                bl[ni][1] = *reinterpret_cast<const u32*>(&sm.xl[s][k0 + 8]);
-            }
+            u32 bh[4], bl[4];  // [0..1]: slots 0-7 of the warp's 16, [2..3]: slots 8-15
+            ldsm_b2(bh, &sm.xh[wn * 16][kk * 16], TC_LD);
+            ldsm_b2(bl, &sm.xl[wn * 16][kk * 16], TC_LD);
 #pragma unroll
             for (int m = 0; m < NMAT; ++m)
 #pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    const int r = wm * 32 + mi * 16 + gq;
+                for (int mi = 0; mi < MI; ++mi) {
                     u32 a[4];
-                    a[0] = *reinterpret_cast<const u32*>(&sm.w[m][r][k0]);
-                    a[1] = *reinterpret_cast<const u32*>(&sm.w[m][r + 8][k0]);
-                    a[2] = *reinterpret_cast<const u32*>(&sm.w[m][r][k0 + 8]);
-                    a[3] = *reinterpret_cast<const u32*>(&sm.w[m][r + 8][k0 + 8]);
+                    ldsm_a(a, &sm.w[m][(wm * MI + mi) * 16][kk * 16], TC_LD);
 #pragma unroll
                     for (int ni = 0; ni < 2; ++ni) {
-                        mma_bf16(d[m][mi][ni], a, bh[ni]);
-                        mma_bf16(d[m][mi][ni], a, bl[ni]);
+                        mma_bf16(d[m][mi][ni], a, bh + 2 * ni);
+                        mma_bf16(d[m][mi][ni], a, bl + 2 * ni);
                     }
                 }
         }
 #pragma unroll
         for (int m = 0; m < NMAT; ++m)
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
+            for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                 for (int ni = 0; ni < 2; ++ni)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int r = wm * 32 + mi * 16 + gq + (e >> 1) * 8;
+                        const int r = (wm * MI + mi) * 16 + gq + (e >> 1) * 8;
                         const int s = wn * 16 + ni * 8 + 2 * cq + (e & 1);
                         acc[m][mi][ni][e] =
                             fmaf(sm.scale[m][r], d[m][mi][ni][e], fmaf(sm.bias[m][r], sm.sx[s], acc[m][mi][ni][e]));
@@ -200,42 +238,42 @@ __device__ __forceinline__ void tc_product(const QMats<NMAT> mats, TcSmem<NMAT>&
         __syncthreads();
     }
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int ni = 0; ni < 2; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int r = n0 + wm * 32 + mi * 16 + gq + (e >> 1) * 8;
-                float* y = sm.yrow[wn * 16 + ni * 8 + 2 * cq + (e & 1)];
-                if (y && r < rows)
+                const int r = n0 + (wm * MI + mi) * 16 + gq + (e >> 1) * 8;
+                const int slot = wn * 16 + ni * 8 + 2 * cq + (e & 1);
+                float* y = sm.yrow[slot];
+                if (sm.xrow[slot] >= 0 && r < rows)
                     y[r] = NMAT == 2 ? silu(acc[0][mi][ni][e]) * acc[NMAT - 1][mi][ni][e] : acc[0][mi][ni][e];
             }
 }
 
-// y[t][n] = sum_k w[n][k] * x[t][k]. Launch with 256 threads and (ceil(rows / 64),
+// y[t][n] = sum_k w[n][k] * x[t][k], x split. Launch with 256 threads and (ceil(rows / 128),
 // ceil(tokens / 64)) blocks; cols a multiple of 64.
 template <int BITS>
-__device__ __forceinline__ void qmma_dense(QMat w, const float* x, float* y, int tokens, int rows, int cols) {
+__device__ __forceinline__ void qmma_dense(QMat w, SplitX x, float* y, int tokens, int rows, int cols) {
     __shared__ TcSmem<1> sm;
     if (threadIdx.x < TC_BN) {
         const int t = blockIdx.y * TC_BN + threadIdx.x;
-        sm.xrow[threadIdx.x] = t < tokens ? x + (size_t)t * cols : nullptr;
-        sm.yrow[threadIdx.x] = t < tokens ? y + (size_t)t * rows : nullptr;
+        sm.xrow[threadIdx.x] = t < tokens ? t : -1;
+        sm.yrow[threadIdx.x] = y + (size_t)t * rows;
     }
     __syncthreads();
-    tc_product<BITS, 1>({{w}}, sm, blockIdx.x * TC_BM, rows, cols);
+    tc_product<BITS, 1>({{w}}, x, sm, blockIdx.x * tc_bm<1>(), rows, cols);
 }
 
-extern "C" __global__ void __launch_bounds__(TC_THREADS)
-    q4_mma(QMat w, const float* x, float* y, int tokens, int rows, int cols) {
-    grid_dep();
-    qmma_dense<4>(w, x, y, tokens, rows, cols);
-}
-extern "C" __global__ void __launch_bounds__(TC_THREADS)
-    q8_mma(QMat w, const float* x, float* y, int tokens, int rows, int cols) {
-    grid_dep();
-    qmma_dense<8>(w, x, y, tokens, rows, cols);
-}
+#define QMMA_DENSE(BITS)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)                                                \
+        q##BITS##_mma(QMat w, const u16* xh, const u16* xl, const float* xsum, float* y, int tokens, int rows, \
+                      int cols) {                                                                            \
+        grid_dep();                                                                                          \
+        qmma_dense<BITS>(w, {xh, xl, xsum, cols}, y, tokens, rows, cols);                                          \
+    }
+QMMA_DENSE(4)
+QMMA_DENSE(8)
 
 // ---- the routed experts grouped by expert. Pair p < pairs is token p / top_k's (p % top_k)-th
 // chosen expert ids[p]; with a shared expert, pair pairs + t is token t's, as the virtual expert
@@ -295,12 +333,12 @@ __device__ __forceinline__ QMat expert_mat(QMat stack, QMat shared, int e, int e
     return {stack.codes + wofs, stack.scales + gofs, stack.biases + gofs};
 }
 
-// act[p][r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]) for every pair p (act rows hold
-// stride = max(inter, inter_s) floats). Launch with 256 threads and (max tiles,
+// act[p][r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]) for every pair p, x split (act rows
+// hold stride = max(inter, inter_s) floats). Launch with 256 threads and (max tiles,
 // ceil(stride / 64)) blocks; blocks past ntiles[0] return.
 template <int BITS>
 __device__ __forceinline__ void moe_gate_up_mma(QMat gate, QMat up, QMat sgate, QMat sup, const int* perm,
-                                                const int* tiles, const int* ntiles, const float* x, float* act,
+                                                const int* tiles, const int* ntiles, SplitX x, float* act,
                                                 int top_k, int pairs, int experts, int inter, int inter_s,
                                                 int hidden) {
     __shared__ TcSmem<2> sm;
@@ -308,26 +346,27 @@ __device__ __forceinline__ void moe_gate_up_mma(QMat gate, QMat up, QMat sgate, 
     const int* tile = tiles + 3 * blockIdx.x;
     const int e = tile[0];
     const int rows = e == experts ? inter_s : inter;
-    const int n0 = blockIdx.y * TC_BM;
+    const int n0 = blockIdx.y * tc_bm<2>();
     if (n0 >= rows) return;
     const int stride = max(inter, inter_s);
     if (threadIdx.x < TC_BN) {
         const bool used = (int)threadIdx.x < tile[2];
         const int p = used ? perm[tile[1] + threadIdx.x] : 0;
         const int t = p < pairs ? p / top_k : p - pairs;
-        sm.xrow[threadIdx.x] = used ? x + (size_t)t * hidden : nullptr;
-        sm.yrow[threadIdx.x] = used ? act + (size_t)p * stride : nullptr;
+        sm.xrow[threadIdx.x] = used ? t : -1;
+        sm.yrow[threadIdx.x] = act + (size_t)p * stride;
     }
     __syncthreads();
     const QMats<2> mats = {{expert_mat<BITS>(gate, sgate, e, experts, inter, hidden),
                             expert_mat<BITS>(up, sup, e, experts, inter, hidden)}};
-    tc_product<BITS, 2>(mats, sm, n0, rows, hidden);
+    tc_product<BITS, 2>(mats, x, sm, n0, rows, hidden);
 }
 
-// y[p][c] = down_e[c] . act[p]. Launch with 256 threads and (max tiles, ceil(hidden / 64)) blocks.
+// y[p][c] = down_e[c] . act[p], act split with rows of stride columns. Launch with 256 threads
+// and (max tiles, ceil(hidden / 128)) blocks.
 template <int BITS>
 __device__ __forceinline__ void moe_down_mma(QMat down, QMat sdown, const int* perm, const int* tiles,
-                                             const int* ntiles, const float* act, float* y, int experts,
+                                             const int* ntiles, SplitX act, float* y, int experts,
                                              int inter, int inter_s, int hidden) {
     __shared__ TcSmem<1> sm;
     if ((int)blockIdx.x >= ntiles[0]) return;
@@ -338,27 +377,30 @@ __device__ __forceinline__ void moe_down_mma(QMat down, QMat sdown, const int* p
     if (threadIdx.x < TC_BN) {
         const bool used = (int)threadIdx.x < tile[2];
         const int p = used ? perm[tile[1] + threadIdx.x] : 0;
-        sm.xrow[threadIdx.x] = used ? act + (size_t)p * stride : nullptr;
-        sm.yrow[threadIdx.x] = used ? y + (size_t)p * hidden : nullptr;
+        sm.xrow[threadIdx.x] = used ? p : -1;
+        sm.yrow[threadIdx.x] = y + (size_t)p * hidden;
     }
     __syncthreads();
-    tc_product<BITS, 1>({{expert_mat<BITS>(down, sdown, e, experts, hidden, inter)}}, sm, blockIdx.y * TC_BM,
-                        hidden, cols);
+    tc_product<BITS, 1>({{expert_mat<BITS>(down, sdown, e, experts, hidden, inter)}}, act, sm,
+                        blockIdx.y * tc_bm<1>(), hidden, cols);
 }
 
-#define MOE_MMA_KERNELS(BITS)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) q##BITS##_moe_gate_up_mma(                         \
-        QMat gate, QMat up, QMat sgate, QMat sup, const int* perm, const int* tiles, const int* ntiles,         \
-        const float* x, float* act, int top_k, int pairs, int experts, int inter, int inter_s, int hidden) {    \
-        grid_dep();                                                                                             \
-        moe_gate_up_mma<BITS>(gate, up, sgate, sup, perm, tiles, ntiles, x, act, top_k, pairs, experts, inter, \
-                              inter_s, hidden);                                                                 \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                    \
-        q##BITS##_moe_down_mma(QMat down, QMat sdown, const int* perm, const int* tiles, const int* ntiles,     \
-                               const float* act, float* y, int experts, int inter, int inter_s, int hidden) {   \
-        grid_dep();                                                                                             \
-        moe_down_mma<BITS>(down, sdown, perm, tiles, ntiles, act, y, experts, inter, inter_s, hidden);          \
+#define MOE_MMA_KERNELS(BITS)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) q##BITS##_moe_gate_up_mma(                     \
+        QMat gate, QMat up, QMat sgate, QMat sup, const int* perm, const int* tiles, const int* ntiles,        \
+        const u16* xh, const u16* xl, const float* xsum, float* act, int top_k, int pairs, int experts,        \
+        int inter, int inter_s, int hidden) {                                                                  \
+        grid_dep();                                                                                            \
+        moe_gate_up_mma<BITS>(gate, up, sgate, sup, perm, tiles, ntiles, {xh, xl, xsum, hidden}, act, top_k,   \
+                              pairs, experts, inter, inter_s, hidden);                                         \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)                                                   \
+        q##BITS##_moe_down_mma(QMat down, QMat sdown, const int* perm, const int* tiles, const int* ntiles,    \
+                               const u16* ah, const u16* al, const float* asum, float* y, int experts,         \
+                               int inter, int inter_s, int hidden) {                                           \
+        grid_dep();                                                                                            \
+        moe_down_mma<BITS>(down, sdown, perm, tiles, ntiles, {ah, al, asum, max(inter, inter_s)}, y, experts,  \
+                           inter, inter_s, hidden);                                                            \
     }
 MOE_MMA_KERNELS(4)
 MOE_MMA_KERNELS(8)

@@ -63,9 +63,6 @@ __device__ __forceinline__ void qrows_partial(QMat w, int row0, int nrows, int c
     }
 }
 
-// Rows per warp of the expert products; 8 warps per block (256 threads): 32 rows per block.
-constexpr int ROWS_PER_WARP = 4;
-
 // y[t][r] = sum_c w[r][c] * x[t][c] for one token per blockIdx.y, R rows per warp: R = 4
 // reuses each staged x value for four rows (large matrices); R = 1 spreads a small matrix over
 // four times as many blocks, so that it still occupies the whole GPU. Launch with 256 threads,
@@ -166,9 +163,10 @@ extern "C" __global__ void q8_embed(const u32* codes, const u16* scales, const u
 // Activations act[p] hold `stride` = max(inter, inter_s) floats, outputs y[p] `hidden`.
 
 // act[p][r] = silu(gate[r] . x[t]) * (up[r] . x[t]) for the chosen experts and the shared
-// expert only. Launch with 256 threads, (ceil(stride / 32), pairs + tokens) blocks and
+// expert only, R rows per warp (4, or 1 to spread a single token's few experts over more
+// blocks). Launch with 256 threads, (ceil(stride / (8 R)), pairs + tokens) blocks and
 // hidden * 4 bytes of shared memory.
-template <int BITS>
+template <int BITS, int R>
 __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
                                             const float* x, float* act, int top_k, int pairs, int inter,
                                             int inter_s, int hidden) {
@@ -185,25 +183,25 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
         g = {gate.codes + wofs, gate.scales + gofs, gate.biases + gofs};
         u = {up.codes + wofs, up.scales + gofs, up.biases + gofs};
     }
-    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS_PER_WARP;
-    if ((int)(blockIdx.x * (blockDim.x >> 5)) * ROWS_PER_WARP >= rows) return;  // whole block idle
+    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+    if ((int)(blockIdx.x * (blockDim.x >> 5)) * R >= rows) return;  // whole block idle
     stage_x<BITS>(xs, x + (size_t)t * hidden, hidden);
     __syncthreads();
     if (row0 >= rows) return;
-    float ag[ROWS_PER_WARP] = {}, au[ROWS_PER_WARP] = {};
-    qrows_partial<BITS, ROWS_PER_WARP>(g, row0, rows, hidden, xs, ag);
-    qrows_partial<BITS, ROWS_PER_WARP>(u, row0, rows, hidden, xs, au);
+    float ag[R] = {}, au[R] = {};
+    qrows_partial<BITS, R>(g, row0, rows, hidden, xs, ag);
+    qrows_partial<BITS, R>(u, row0, rows, hidden, xs, au);
     const int stride = max(inter, inter_s);
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+    for (int r = 0; r < R; ++r) {
         const float gv = warp_sum(ag[r]), uv = warp_sum(au[r]);
         if ((threadIdx.x & 31) == 0 && row0 + r < rows) act[(size_t)p * stride + row0 + r] = silu(gv) * uv;
     }
 }
 
-// y[p][r] = down[r] . act[p]. Launch with 256 threads, (ceil(hidden / 32), pairs + tokens)
-// blocks, stride * 4 bytes of shared memory.
-template <int BITS>
+// y[p][r] = down[r] . act[p], R rows per warp. Launch with 256 threads, (ceil(hidden / (8 R)),
+// pairs + tokens) blocks, stride * 4 bytes of shared memory.
+template <int BITS, int R>
 __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, const float* act, float* y,
                                          int pairs, int inter, int inter_s, int hidden) {
     constexpr int PER_WORD = 32 / BITS;
@@ -219,29 +217,35 @@ __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, 
     }
     stage_x<BITS>(xs, act + (size_t)p * max(inter, inter_s), cols);
     __syncthreads();
-    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS_PER_WARP;
+    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
     if (row0 >= hidden) return;
-    float acc[ROWS_PER_WARP] = {};
-    qrows_partial<BITS, ROWS_PER_WARP>(d, row0, hidden, cols, xs, acc);
+    float acc[R] = {};
+    qrows_partial<BITS, R>(d, row0, hidden, cols, xs, acc);
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+    for (int r = 0; r < R; ++r) {
         const float v = warp_sum(acc[r]);
         if ((threadIdx.x & 31) == 0 && row0 + r < hidden) y[(size_t)p * hidden + row0 + r] = v;
     }
 }
 
-#define MOE_KERNELS(BITS)                                                                                   \
-    extern "C" __global__ void q##BITS##_moe_gate_up(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,  \
-                                                     const float* x, float* act, int top_k, int pairs,      \
-                                                     int inter, int inter_s, int hidden) { grid_dep();                  \
-        moe_gate_up<BITS>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter, inter_s, hidden);         \
+#define MOE_KERNELS(BITS, R, SUFFIX)                                                                        \
+    extern "C" __global__ void q##BITS##_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup,       \
+                                                            const int* ids, const float* x, float* act,     \
+                                                            int top_k, int pairs, int inter, int inter_s,   \
+                                                            int hidden) {                                   \
+        grid_dep();                                                                                         \
+        moe_gate_up<BITS, R>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter, inter_s, hidden);      \
     }                                                                                                       \
-    extern "C" __global__ void q##BITS##_moe_down(QMat down, QMat sdown, const int* ids, const float* act,  \
-                                                  float* y, int pairs, int inter, int inter_s, int hidden) { grid_dep(); \
-        moe_down<BITS>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);                            \
+    extern "C" __global__ void q##BITS##_moe_down##SUFFIX(QMat down, QMat sdown, const int* ids,             \
+                                                         const float* act, float* y, int pairs, int inter,  \
+                                                         int inter_s, int hidden) {                         \
+        grid_dep();                                                                                         \
+        moe_down<BITS, R>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);                         \
     }
-MOE_KERNELS(4)
-MOE_KERNELS(8)
+MOE_KERNELS(4, 4, )
+MOE_KERNELS(8, 4, )
+MOE_KERNELS(4, 1, _r1)
+MOE_KERNELS(8, 1, _r1)
 
 // out[t][c] = sum_j weights[t*k+j] * y[t*k+j][c] (in the order j = 0..k-1, as the reference
 // adds), then + sigmoid(shared_logit[t]) * y[pairs + t][c] when there is a shared expert.
