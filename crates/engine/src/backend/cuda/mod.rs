@@ -133,6 +133,7 @@ struct Kernels {
     /// Flash attention for prefill, head dims 64, 128, 256; `None` where the device cannot
     /// give a block the shared memory it needs (the split-K kernels serve instead).
     attention_prefill: [Option<CudaFunction>; 3],
+    kv_split: CudaFunction,
 }
 
 impl Kernels {
@@ -181,6 +182,7 @@ impl Kernels {
                 f("attention", "attention_partial_d16")?,
             ],
             attention_combine: f("attention", "attention_combine")?,
+            kv_split: f("attention", "kv_split")?,
             attention_prefill: [64, 128, 256].map(|d| {
                 let func = f("attention", &format!("attention_prefill_d{d}")).ok()?;
                 // Above 48 KiB a kernel must opt in to its dynamic shared memory.
@@ -196,9 +198,9 @@ impl Kernels {
 }
 
 /// Dynamic shared memory of the flash-attention prefill kernel for head dim `d`
-/// (`fa_smem_bytes`, kernels/attention.cu: Q, K and transposed V tiles, each as bf16 hi and lo).
+/// (`fa_smem_bytes`, kernels/attention.cu: Q, K and V tiles, each as bf16 hi and lo).
 fn fa_smem_bytes(d: usize) -> usize {
-    2 * (2 * FA_QUERIES * (d + 8) + 2 * 32 * (d + 8) + 2 * d * 40)
+    2 * (2 * FA_QUERIES * (d + 8) + 4 * 32 * (d + 8))
 }
 
 /// `[q4, q8]` x two variants -> `[[q4 variant 0, q4 variant 1], [q8 ..., ...]]`.
@@ -1780,6 +1782,21 @@ impl Backend for CudaBackend {
         if t >= FA_MIN_TOKENS
             && let Some(Some(attention_prefill)) = self.k.attention_prefill.get(variant)
         {
+            // The keys so far as bf16 hi/lo, which the kernel's tiles copy as they are.
+            let n = (pos0 + t) * c.row;
+            let split: Vec<DevBuf<u16>> =
+                (0..4).map(|_| self.tmp::<u16>(n)).collect::<Result<_>>()?;
+            for (src, (hi, lo)) in [
+                (&c.k, (&split[0], &split[1])),
+                (&c.v, (&split[2], &split[3])),
+            ] {
+                launch!(
+                    self,
+                    self.k.kv_split,
+                    elementwise(n / 4),
+                    [self.ptr(src), hi.ptr, lo.ptr, (n / 4) as i64]
+                )?;
+            }
             launch!(
                 self,
                 attention_prefill,
@@ -1790,8 +1807,10 @@ impl Backend for CudaBackend {
                 ),
                 [
                     self.ptr(&q.buf),
-                    self.ptr(&c.k),
-                    self.ptr(&c.v),
+                    split[0].ptr,
+                    split[1].ptr,
+                    split[2].ptr,
+                    split[3].ptr,
                     self.ptr(&out.buf),
                     t as i32,
                     h as i32,

@@ -168,186 +168,214 @@ extern "C" __global__ void attention_combine(const float* part, float* o, int d,
 // O += P V with an online softmax (running max and sum per row, O rescaled when the max grows).
 // Exactness: every operand is split in two bf16 parts (hi + lo) and each product is taken as
 // hi*hi + hi*lo + lo*hi with f32 accumulators (the lo*lo term is below 2^-16 of the result), so
-// the output stays within ~1e-10 (NMSE) of the f32 reference.
-// Shared memory (u16): Q hi/lo [128][D + 8], K hi/lo [32][D + 8], V transposed hi/lo [D][40]
-// (pitches chosen so that each warp's fragment loads hit 32 different banks): 205 KiB at D = 256,
-// one block per SM, so 128 queries share each staged K/V tile.
+// the output stays within ~1e-10 (NMSE) of the f32 reference. kv_split writes the cache's split
+// once per layer and chunk, so the tiles arrive by cp.async: K tile j + 1 is requested as soon as
+// S of tile j is done, V tile j + 1 as soon as its P V is, each overlapping the other's work.
+// Shared memory (u16): Q hi/lo [128][D + 8], K hi/lo and V hi/lo [32][D + 8] (the pitch makes
+// each warp's fragment loads hit 32 different banks): 198 KiB at D = 256, one block per SM.
 constexpr int FA_BQ = 128;
 constexpr int FA_BK = 32;
 constexpr int FA_THREADS = 256;
-constexpr int FA_VT = FA_BK + 8;
 
-__host__ __device__ constexpr int fa_smem_bytes(int d) {
-    return 2 * (2 * FA_BQ * (d + 8) + 2 * FA_BK * (d + 8) + 2 * d * FA_VT);
+__host__ __device__ constexpr int fa_smem_bytes(int d) { return 2 * (2 * FA_BQ * (d + 8) + 4 * FA_BK * (d + 8)); }
+
+// x [n] f32 -> hi, lo [n] bf16 (n a multiple of 4). One thread per 4 values.
+extern "C" __global__ void kv_split(const float* x, u16* hi, u16* lo, long long n4) {
+    grid_dep();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n4) return;
+    const float4 v = reinterpret_cast<const float4*>(x)[i];
+    u32 h[4], l[4];
+    bf16_split(v.x, h[0], l[0]);
+    bf16_split(v.y, h[1], l[1]);
+    bf16_split(v.z, h[2], l[2]);
+    bf16_split(v.w, h[3], l[3]);
+    reinterpret_cast<uint2*>(hi)[i] = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+    reinterpret_cast<uint2*>(lo)[i] = make_uint2(l[0] | (l[1] << 16), l[2] | (l[3] << 16));
 }
 
-// Rows [row0, row0 + rows) of a [*, ld] f32 matrix, D columns from col0, scaled, split into
-// hi/lo bf16 tiles [rows][D + 8]; rows at or past `valid` are zero.
+// Rows [row0, row0 + rows) of a split [*, ld] matrix, D columns from col0, into tiles
+// [rows][D + 8] by cp.async; rows at or past `valid` are zero.
 template <int D>
-__device__ __forceinline__ void fa_stage_rows(u16* hi, u16* lo, const float* src, size_t ld, int col0, int row0,
-                                              int rows, int valid, float scale) {
-    constexpr int D4 = D / 4;
-    for (int i = threadIdx.x; i < rows * D4; i += FA_THREADS) {
-        const int r = i / D4, c = (i % D4) * 4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (row0 + r < valid) v = *reinterpret_cast<const float4*>(src + (size_t)(row0 + r) * ld + col0 + c);
-        u32 h[4], l[4];
-        bf16_split(v.x * scale, h[0], l[0]);
-        bf16_split(v.y * scale, h[1], l[1]);
-        bf16_split(v.z * scale, h[2], l[2]);
-        bf16_split(v.w * scale, h[3], l[3]);
-        u32* dh = reinterpret_cast<u32*>(hi + r * (D + 8) + c);
-        u32* dl = reinterpret_cast<u32*>(lo + r * (D + 8) + c);
-        dh[0] = h[0] | (h[1] << 16);
-        dh[1] = h[2] | (h[3] << 16);
-        dl[0] = l[0] | (l[1] << 16);
-        dl[1] = l[2] | (l[3] << 16);
+__device__ __forceinline__ void fa_fetch(u16* hi, u16* lo, const u16* src_hi, const u16* src_lo, size_t ld, int col0,
+                                         int row0, int rows, int valid) {
+    constexpr int D8 = D / 8;
+    for (int i = threadIdx.x; i < rows * D8; i += FA_THREADS) {
+        const int r = i / D8, c = (i % D8) * 8;
+        u16* dh = hi + r * (D + 8) + c;
+        u16* dl = lo + r * (D + 8) + c;
+        if (row0 + r < valid) {
+            const size_t at = (size_t)(row0 + r) * ld + col0 + c;
+            cp_async16(dh, src_hi + at);
+            cp_async16(dl, src_lo + at);
+        } else {
+            *reinterpret_cast<uint4*>(dh) = make_uint4(0u, 0u, 0u, 0u);
+            *reinterpret_cast<uint4*>(dl) = make_uint4(0u, 0u, 0u, 0u);
+        }
     }
+    cp_async_commit();
 }
 
-// q [T, H*D] at positions pos0.., the caches [cap, KVH*D] holding positions 0 .. pos0 + T - 1,
-// o [T, H*D]. Launch with 256 threads, (ceil(T / 128), H) blocks and fa_smem_bytes(D) bytes of
-// dynamic shared memory.
+// q [T, H*D] at positions pos0.., the split caches [keys, KVH*D] holding positions
+// 0 .. pos0 + T - 1, o [T, H*D]. Launch with 256 threads, (ceil(T / 128), H) blocks and
+// fa_smem_bytes(D) bytes of dynamic shared memory.
 template <int D>
-__device__ __forceinline__ void attention_prefill_impl(const float* __restrict__ q, const float* __restrict__ kc,
-                                                       const float* __restrict__ vc, float* __restrict__ o,
+__device__ __forceinline__ void attention_prefill_impl(const float* __restrict__ q, const u16* khi, const u16* klo,
+                                                       const u16* vhi, const u16* vlo, float* __restrict__ o,
                                                        int tokens, int heads, int kv_heads, int pos0) {
     constexpr int NO = D / 8;  // output n-tiles per warp
+    constexpr int LD = D + 8;
     extern __shared__ __align__(16) u16 fa_smem[];
     u16* qh = fa_smem;
-    u16* ql = qh + FA_BQ * (D + 8);
-    u16* kh = ql + FA_BQ * (D + 8);
-    u16* kl = kh + FA_BK * (D + 8);
-    u16* vth = kl + FA_BK * (D + 8);
-    u16* vtl = vth + D * FA_VT;
+    u16* ql = qh + FA_BQ * LD;
+    u16* kh = ql + FA_BQ * LD;
+    u16* kl = kh + FA_BK * LD;
+    u16* vh = kl + FA_BK * LD;
+    u16* vl = vh + FA_BK * LD;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, cq = lane & 3;
     const int t0 = blockIdx.x * FA_BQ, h = blockIdx.y, kvh = h / (heads / kv_heads);
     const size_t qld = (size_t)heads * D, kld = (size_t)kv_heads * D;
     const int keys = pos0 + tokens;
-    fa_stage_rows<D>(qh, ql, q, qld, h * D, t0, FA_BQ, tokens, rsqrtf((float)D));
+    const int last = min(pos0 + t0 + FA_BQ, keys);  // keys [0, last) can be seen by the block
+    fa_fetch<D>(kh, kl, khi, klo, kld, kvh * D, 0, FA_BK, keys);
+    fa_fetch<D>(vh, vl, vhi, vlo, kld, kvh * D, 0, FA_BK, keys);
+    // Q, scaled by 1/sqrt(D), split while the first tiles arrive.
+    {
+        const float scale = rsqrtf((float)D);
+        constexpr int D4 = D / 4;
+        for (int i = tid; i < FA_BQ * D4; i += FA_THREADS) {
+            const int r = i / D4, c = (i % D4) * 4;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (t0 + r < tokens) v = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * qld + h * D + c);
+            u32 hb[4], lb[4];
+            bf16_split(v.x * scale, hb[0], lb[0]);
+            bf16_split(v.y * scale, hb[1], lb[1]);
+            bf16_split(v.z * scale, hb[2], lb[2]);
+            bf16_split(v.w * scale, hb[3], lb[3]);
+            *reinterpret_cast<uint2*>(qh + r * LD + c) = make_uint2(hb[0] | (hb[1] << 16), hb[2] | (hb[3] << 16));
+            *reinterpret_cast<uint2*>(ql + r * LD + c) = make_uint2(lb[0] | (lb[1] << 16), lb[2] | (lb[3] << 16));
+        }
+    }
     // This thread's two query rows (fragment rows gq and gq + 8 of the warp's 16).
     const int qpos0 = pos0 + t0 + warp * 16 + gq, qpos1 = qpos0 + 8;
+    // Warps whose rows all precede a tile's first key skip its products.
+    const int warp_last = pos0 + t0 + warp * 16 + 15;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     float acc[NO][4];
 #pragma unroll
     for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    const int last = min(pos0 + t0 + FA_BQ, keys);  // keys [0, last) can be seen by the block
     for (int k0 = 0; k0 < last; k0 += FA_BK) {
-        __syncthreads();  // the previous tile is consumed (and Q is staged)
-        fa_stage_rows<D>(kh, kl, kc, kld, kvh * D, k0, FA_BK, keys, 1.f);
-        // V transposed: vt[d][key]. A warp takes one 4-column slice of all 32 keys, so that its
-        // 16-bit stores fall in consecutive words.
-        for (int i = tid; i < FA_BK * (D / 4); i += FA_THREADS) {
-            const int r = i % FA_BK, c = (i / FA_BK) * 4;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (k0 + r < keys) v = *reinterpret_cast<const float4*>(vc + (size_t)(k0 + r) * kld + kvh * D + c);
-            const float f[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                u32 hb, lb;
-                bf16_split(f[j], hb, lb);
-                vth[(c + j) * FA_VT + r] = (u16)hb;
-                vtl[(c + j) * FA_VT + r] = (u16)lb;
-            }
-        }
+        const bool more = k0 + FA_BK < last;
+        cp_async_wait_one();  // K of this tile (V may still be on its way)
         __syncthreads();
-        // Warps whose rows all precede the tile's first key have nothing to add.
-        if (k0 > pos0 + t0 + warp * 16 + 15) continue;
-        // S = Q K^T for the warp's 16 rows x 32 keys; the cross terms accumulate apart from
-        // hi*hi, so that consecutive products do not wait on each other.
+        const bool active = k0 <= warp_last;
         float s[4][4], sx[4][4];
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = sx[n][e] = 0.f;
+        if (active) {
+            // S = Q K^T for the warp's 16 rows x 32 keys; the cross terms accumulate apart from
+            // hi*hi, so that consecutive products do not wait on each other.
 #pragma unroll 4
-        for (int ks = 0; ks < D / 16; ++ks) {
-            u32 ah[4], al[4];
-            ldsm_a(ah, qh + warp * 16 * (D + 8) + ks * 16, D + 8);
-            ldsm_a(al, ql + warp * 16 * (D + 8) + ks * 16, D + 8);
+            for (int ks = 0; ks < D / 16; ++ks) {
+                u32 ah[4], al[4];
+                ldsm_a(ah, qh + warp * 16 * LD + ks * 16, LD);
+                ldsm_a(al, ql + warp * 16 * LD + ks * 16, LD);
 #pragma unroll
-            for (int n2 = 0; n2 < 2; ++n2) {
-                u32 bh[4], bl[4];  // keys n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
-                ldsm_b2(bh, kh + n2 * 16 * (D + 8) + ks * 16, D + 8);
-                ldsm_b2(bl, kl + n2 * 16 * (D + 8) + ks * 16, D + 8);
+                for (int n2 = 0; n2 < 2; ++n2) {
+                    u32 bh[4], bl[4];  // keys n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
+                    ldsm_b2(bh, kh + n2 * 16 * LD + ks * 16, LD);
+                    ldsm_b2(bl, kl + n2 * 16 * LD + ks * 16, LD);
 #pragma unroll
-                for (int h2 = 0; h2 < 2; ++h2) {
-                    const int n = 2 * n2 + h2;
-                    mma_bf16(s[n], ah, bh + 2 * h2);
-                    mma_bf16(sx[n], ah, bl + 2 * h2);
-                    mma_bf16(sx[n], al, bh + 2 * h2);
+                    for (int h2 = 0; h2 < 2; ++h2) {
+                        const int n = 2 * n2 + h2;
+                        mma_bf16(s[n], ah, bh + 2 * h2);
+                        mma_bf16(sx[n], ah, bl + 2 * h2);
+                        mma_bf16(sx[n], al, bh + 2 * h2);
+                    }
                 }
             }
         }
+        __syncthreads();  // every warp is done with this K tile
+        if (more) fa_fetch<D>(kh, kl, khi, klo, kld, kvh * D, k0 + FA_BK, FA_BK, keys);
+        float p[4][4];
+        float corr[2] = {1.f, 1.f};
+        if (active) {
+            // Causal mask, then the online softmax per row (the row's 32 scores are spread over
+            // the four lanes of a quad).
+            float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < 4; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] += sx[n][e];
-        // Causal mask, then the online softmax per row (the row's 32 scores are spread over the
-        // four lanes of a quad).
-        float mx[2] = {NEG_INF, NEG_INF};
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + n * 8 + 2 * cq + (e & 1);
+                    p[n][e] = s[n][e] + sx[n][e];
+                    if (key > ((e >> 1) ? qpos1 : qpos0) || key >= keys) p[n][e] = NEG_INF;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], p[n][e]);
+                }
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + n * 8 + 2 * cq + (e & 1);
-                if (key > ((e >> 1) ? qpos1 : qpos0) || key >= keys) s[n][e] = NEG_INF;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+            for (int i = 0; i < 2; ++i) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+                const float mn = fmaxf(m[i], mx[i]);
+                corr[i] = mn == NEG_INF ? 1.f : expf(m[i] - mn);
+                m[i] = mn;
+                l[i] *= corr[i];
             }
-        float corr[2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            const float mn = fmaxf(m[i], mx[i]);
-            corr[i] = mn == NEG_INF ? 1.f : expf(m[i] - mn);
-            m[i] = mn;
-            l[i] *= corr[i];
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float pe = p[n][e] == NEG_INF ? 0.f : expf(p[n][e] - m[e >> 1]);
+                    p[n][e] = pe;
+                    l[e >> 1] += pe;
+                }
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                acc[n][0] *= corr[0];
+                acc[n][1] *= corr[0];
+                acc[n][2] *= corr[1];
+                acc[n][3] *= corr[1];
+            }
         }
+        if (more) cp_async_wait_one();  // V of this tile (the next K may still be on its way)
+        else cp_async_wait_all();
+        __syncthreads();
+        if (active) {
+            // O += P V: P's accumulator layout is the A-fragment layout of the next product; V's
+            // fragments come transposed from its key-major tile.
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+            for (int kk = 0; kk < 2; ++kk) {
+                u32 ph[4], pl[4];
+                const float* pa = p[2 * kk];
+                const float* pb = p[2 * kk + 1];
+                const float pv[4][2] = {{pa[0], pa[1]}, {pa[2], pa[3]}, {pb[0], pb[1]}, {pb[2], pb[3]}};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = s[n][e] == NEG_INF ? 0.f : expf(s[n][e] - m[e >> 1]);
-                s[n][e] = p;
-                l[e >> 1] += p;
-            }
+                for (int i = 0; i < 4; ++i) {
+                    u32 h0, l0, h1, l1;
+                    bf16_split(pv[i][0], h0, l0);
+                    bf16_split(pv[i][1], h1, l1);
+                    ph[i] = h0 | (h1 << 16);
+                    pl[i] = l0 | (l1 << 16);
+                }
 #pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            acc[n][0] *= corr[0];
-            acc[n][1] *= corr[0];
-            acc[n][2] *= corr[1];
-            acc[n][3] *= corr[1];
-        }
-        // O += P V: P's accumulator layout is the A-fragment layout of the next product.
+                for (int n2 = 0; n2 < NO / 2; ++n2) {
+                    u32 bh[4], bl[4];  // dims n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
+                    ldsm_bt2(bh, vh + kk * 16 * LD + n2 * 16, LD);
+                    ldsm_bt2(bl, vl + kk * 16 * LD + n2 * 16, LD);
 #pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-            u32 ph[4], pl[4];
-            const float* pa = s[2 * kk];
-            const float* pb = s[2 * kk + 1];
-            const float pv[4][2] = {{pa[0], pa[1]}, {pa[2], pa[3]}, {pb[0], pb[1]}, {pb[2], pb[3]}};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                u32 h0, l0, h1, l1;
-                bf16_split(pv[i][0], h0, l0);
-                bf16_split(pv[i][1], h1, l1);
-                ph[i] = h0 | (h1 << 16);
-                pl[i] = l0 | (l1 << 16);
-            }
-#pragma unroll
-            for (int n2 = 0; n2 < NO / 2; ++n2) {
-                u32 bh[4], bl[4];  // dims n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
-                ldsm_b2(bh, vth + n2 * 16 * FA_VT + kk * 16, FA_VT);
-                ldsm_b2(bl, vtl + n2 * 16 * FA_VT + kk * 16, FA_VT);
-#pragma unroll
-                for (int h2 = 0; h2 < 2; ++h2) {
-                    float* o = acc[2 * n2 + h2];
-                    mma_bf16(o, ph, bh + 2 * h2);
-                    mma_bf16(o, ph, bl + 2 * h2);
-                    mma_bf16(o, pl, bh + 2 * h2);
+                    for (int h2 = 0; h2 < 2; ++h2) {
+                        float* out = acc[2 * n2 + h2];
+                        mma_bf16(out, ph, bh + 2 * h2);
+                        mma_bf16(out, ph, bl + 2 * h2);
+                        mma_bf16(out, pl, bh + 2 * h2);
+                    }
                 }
             }
         }
+        __syncthreads();  // every warp is done with this V tile
+        if (more) fa_fetch<D>(vh, vl, vhi, vlo, kld, kvh * D, k0 + FA_BK, FA_BK, keys);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -369,12 +397,12 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     }
 }
 
-#define ATTENTION_PREFILL(D)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                   \
-        attention_prefill_d##D(const float* q, const float* kc, const float* vc, float* o, int tokens, int heads, \
-                               int kv_heads, int pos0) {                                                        \
-        grid_dep();                                                                                             \
-        attention_prefill_impl<D>(q, kc, vc, o, tokens, heads, kv_heads, pos0);                                 \
+#define ATTENTION_PREFILL(D)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                  \
+        attention_prefill_d##D(const float* q, const u16* khi, const u16* klo, const u16* vhi, const u16* vlo, \
+                               float* o, int tokens, int heads, int kv_heads, int pos0) {                      \
+        grid_dep();                                                                                            \
+        attention_prefill_impl<D>(q, khi, klo, vhi, vlo, o, tokens, heads, kv_heads, pos0);                    \
     }
 // Head dims 64, 128 and 256 (512 takes the split-K kernels: its tiles would not fit).
 ATTENTION_PREFILL(64)

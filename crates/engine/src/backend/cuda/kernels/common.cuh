@@ -44,6 +44,24 @@ struct QMat {
     const u16* biases;
 };
 
+// ---- asynchronous copies global -> shared (sm_80+).
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// All but the most recently committed group have landed.
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
 // ---- tensor cores (sm_80+): bf16 inputs, f32 accumulators.
 
 // Round to nearest even (finite values; infinities and NaN keep their class).
@@ -70,11 +88,16 @@ __device__ __forceinline__ void bf16_split(float x, u32& hi, u32& lo) {
 // Four 8x8 bf16 matrices from shared memory, one per eight lanes' row addresses (lanes 8i..8i+7
 // give the rows of matrix i); lane l receives row l / 4, columns 2 (l % 4) and +1 of each.
 __device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* row) {
-    u32 addr;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(row));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
+                 : "r"(smem_addr(row)));
+}
+
+// The same, each matrix transposed on the way.
+__device__ __forceinline__ void ldsm_x4_trans(u32 r[4], const u16* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
 }
 
 // The A fragment of an m16n8k16 product (16 rows x 16 columns at `tile`, row pitch `ld`
@@ -89,4 +112,11 @@ __device__ __forceinline__ void ldsm_a(u32 a[4], const u16* tile, int ld) {
 __device__ __forceinline__ void ldsm_b2(u32 b[4], const u16* tile, int ld) {
     const int l = threadIdx.x & 31;
     ldsm_x4(b, tile + ((l & 7) + 8 * (l >> 4)) * ld + 8 * ((l >> 3) & 1));
+}
+
+// The B fragments of two adjacent n8 tiles from a k-major tile (16 rows of k with n contiguous,
+// 16 columns of n), transposed by ldmatrix: b[0..1] for n 0-7, b[2..3] for n 8-15.
+__device__ __forceinline__ void ldsm_bt2(u32 b[4], const u16* tile, int ld) {
+    const int l = threadIdx.x & 31;
+    ldsm_x4_trans(b, tile + ((l & 7) + 8 * ((l >> 3) & 1)) * ld + 8 * (l >> 4));
 }
