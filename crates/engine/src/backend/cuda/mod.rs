@@ -110,6 +110,7 @@ struct Kernels {
     moe_down: [[CudaFunction; 2]; 2],
     moe_group: CudaFunction,
     split_bf16: CudaFunction,
+    swiglu_split_bf16: CudaFunction,
     moe_gate_up_mma: [CudaFunction; 2],
     moe_down_mma: [CudaFunction; 2],
     moe_combine: CudaFunction,
@@ -155,6 +156,7 @@ impl Kernels {
             moe_down: transpose(pair("moe_down")?, pair("moe_down_r1")?),
             moe_group: f("qmma", "moe_group")?,
             split_bf16: f("qmma", "split_bf16")?,
+            swiglu_split_bf16: f("qmma", "swiglu_split_bf16")?,
             moe_gate_up_mma: pair_in("qmma", "moe_gate_up_mma")?,
             moe_down_mma: pair_in("qmma", "moe_down_mma")?,
             moe_combine: f("quant", "moe_combine")?,
@@ -400,8 +402,7 @@ fn same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> Result<()> {
 /// Prompt tokens per prefill forward: the tensor-core tiles take 64 tokens, and the experts'
 /// tiles fill only when each of 256 experts sees a few dozen tokens of the chunk.
 const PREFILL_CHUNK: usize = 4096;
-/// Weight rows per block of the tensor-core products (`tc_bm<1>`, kernels/qmma.cu; the fused
-/// gate/up product takes 64 of each matrix).
+/// Weight rows per block of the tensor-core products (`TC_BM`, kernels/qmma.cu).
 const MMA_ROWS: u32 = 128;
 /// Tokens from which the dense products run on the tensor cores (below, each token streams the
 /// weights through the matrix-vector kernels, as decode does).
@@ -635,7 +636,6 @@ impl CudaBackend {
             return Ok(out);
         }
         let stride = inter.max(inter_s);
-        let act = self.tmp::<f32>(all * stride)?;
         let y = self.tmp::<f32>(all * hidden)?;
         let shared_bytes = |rows, cols| {
             if shared.is_some() {
@@ -645,16 +645,9 @@ impl CudaBackend {
             }
         };
         if t >= GROUPED_MOE_MIN_TOKENS {
-            self.moe_grouped(
-                x,
-                rt,
-                [gate, up, down],
-                [sgate, sup, sdown],
-                inter_s,
-                &act,
-                &y,
-            )?;
+            self.moe_grouped(x, rt, [gate, up, down], [sgate, sup, sdown], inter_s, &y)?;
         } else {
+            let act = self.tmp::<f32>(all * stride)?;
             // A decode step's 9 expert products at four rows per warp fill about one block per
             // SM; at one row per warp, four times as many blocks keep more loads in flight.
             let r1 = self.one_row_per_warp(stride.div_ceil(32) * all);
@@ -730,6 +723,21 @@ impl CudaBackend {
     /// `rows x cols` f32 at `src` as the tensor-core products read it (kernels/qmma.cu,
     /// split_bf16): bf16 hi and lo parts and the f32 sum of each 64-column group.
     fn split(&self, src: u64, rows: usize, cols: usize) -> Result<Split> {
+        self.split_with(&self.k.split_bf16, src, rows, cols)
+    }
+
+    /// `split` of `silu(gate) * up` from `rows x 2 cols` at `src` (gate | up in each row).
+    fn swiglu_split(&self, src: u64, rows: usize, cols: usize) -> Result<Split> {
+        self.split_with(&self.k.swiglu_split_bf16, src, rows, cols)
+    }
+
+    fn split_with(
+        &self,
+        kernel: &CudaFunction,
+        src: u64,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Split> {
         if !cols.is_multiple_of(64) {
             return Err(Error::Backend(format!(
                 "tensor-core product over {cols} columns (a multiple of 64 expected)"
@@ -744,14 +752,15 @@ impl CudaBackend {
         if n > 0 {
             launch!(
                 self,
-                self.k.split_bf16,
+                kernel,
                 elementwise(n / 8),
                 [
                     src,
                     split.hi.ptr,
                     split.lo.ptr,
                     split.sum.ptr,
-                    (n / 8) as i64
+                    (n / 8) as i64,
+                    cols as i32
                 ]
             )?;
         }
@@ -798,7 +807,6 @@ impl CudaBackend {
         [gate, up, down]: [&CudaQMatrix; 3],
         [sgate, sup, sdown]: [QMatArg; 3],
         inter_s: usize,
-        act: &DevBuf<f32>,
         y: &DevBuf<f32>,
     ) -> Result<()> {
         let (t, hidden) = (x.rows, x.cols);
@@ -837,6 +845,8 @@ impl CudaBackend {
         )?;
         let stride = inter.max(inter_s);
         let xs = self.split(self.ptr(&x.buf), t, hidden)?;
+        // Per pair: the gate's products, then the up's from column `stride`.
+        let gu = self.tmp::<f32>(all * 2 * stride)?;
         let expert_bytes = |rows, cols| {
             // Every expert's matrix is read at least once (an upper bound for sparse routing).
             e.min(pairs) as u64 * qbytes(rows, cols, gate.bits)
@@ -849,7 +859,11 @@ impl CudaBackend {
         launch!(
             self,
             self.k.moe_gate_up_mma[b],
-            cfg((max_tiles as u32, (stride as u32).div_ceil(64)), 256, 0),
+            cfg(
+                (max_tiles as u32, 2 * (stride as u32).div_ceil(MMA_ROWS)),
+                256,
+                0
+            ),
             [
                 self.qarg(gate),
                 self.qarg(up),
@@ -861,7 +875,7 @@ impl CudaBackend {
                 xs.hi.ptr,
                 xs.lo.ptr,
                 xs.sum.ptr,
-                act.ptr,
+                gu.ptr,
                 rt.top_k as i32,
                 pairs as i32,
                 e as i32,
@@ -872,7 +886,8 @@ impl CudaBackend {
             bytes = 2 * expert_bytes(inter, hidden)
         )?;
         drop(xs);
-        let acts = self.split(act.ptr, all, stride)?;
+        let acts = self.swiglu_split(gu.ptr, all, stride)?;
+        drop(gu);
         launch!(
             self,
             self.k.moe_down_mma[b],

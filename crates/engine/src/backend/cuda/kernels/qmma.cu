@@ -23,26 +23,34 @@
 // on the current one. Slot s of a block reads split row xrow[s] (-1: an empty slot) and writes
 // output row yrow[s], so one core serves dense and grouped products.
 
-// Weight rows per block: 128 for a plain product (each warp 64 rows x 16 slots, 4 x 2 tiles),
-// 64 for gate + up (each warp 32 rows of both matrices x 16 slots): either way a warp's B
-// fragments serve 4 row tiles, which keeps shared-memory reads per product at 1.5 wavefronts.
-template <int NMAT>
-__host__ __device__ constexpr int tc_bm() { return NMAT == 1 ? 128 : 64; }
+// Weight rows per block: each warp 64 rows x 16 slots (4 x 2 tiles), so that its B fragments
+// serve 4 row tiles (1.5 shared-memory wavefronts per product instead of 2).
+constexpr int TC_BM = 128;
 constexpr int TC_BN = 64;
 // Shared row pitch in bf16: 64 + 8, so that the fragment loads of a warp hit 32 different banks.
 constexpr int TC_LD = 72;
 constexpr int TC_THREADS = 256;
 
 // One thread per 8-column block of x [rows][cols] (cols a multiple of 64): hi and lo in the
-// stored order above, and each group's sum. Launch with 256 threads and ceil(rows * cols / 8 /
-// 256) blocks.
-extern "C" __global__ void split_bf16(const float* x, u16* hi, u16* lo, float* sum, long long blocks8) {
-    grid_dep();
+// stored order above, and each group's sum. With GLU, x holds [rows][2 * cols] (gate | up) and
+// the split is of silu(gate) * up. Launch with 256 threads and ceil(rows * cols / 8 / 256)
+// blocks.
+template <bool GLU>
+__device__ __forceinline__ void split_rows(const float* x, u16* hi, u16* lo, float* sum, long long blocks8,
+                                           int cols) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     // A group's 8 threads are all in range or all out (blocks8 is a multiple of 8).
     if (i >= blocks8) return;
-    const float4 a = reinterpret_cast<const float4*>(x)[2 * i], b = reinterpret_cast<const float4*>(x)[2 * i + 1];
-    const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    float f[8];
+    if constexpr (GLU) {
+        const long long row = i / (cols / 8), c = (i % (cols / 8)) * 8;
+        const float* g = x + row * 2 * cols + c;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = silu(g[j]) * g[cols + j];
+    } else {
+        const float4 a = reinterpret_cast<const float4*>(x)[2 * i], b = reinterpret_cast<const float4*>(x)[2 * i + 1];
+        f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+    }
     u32 h[4], l[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
@@ -60,6 +68,16 @@ extern "C" __global__ void split_bf16(const float* x, u16* hi, u16* lo, float* s
     s += __shfl_xor_sync(group, s, 2);
     s += __shfl_xor_sync(group, s, 4);
     if ((i & 7) == 0) sum[i >> 3] = s;
+}
+
+extern "C" __global__ void split_bf16(const float* x, u16* hi, u16* lo, float* sum, long long blocks8, int cols) {
+    grid_dep();
+    split_rows<false>(x, hi, lo, sum, blocks8, cols);
+}
+extern "C" __global__ void swiglu_split_bf16(const float* x, u16* hi, u16* lo, float* sum, long long blocks8,
+                                             int cols) {
+    grid_dep();
+    split_rows<true>(x, hi, lo, sum, blocks8, cols);
 }
 
 // a * b + c on two bf16 lanes.
@@ -96,57 +114,47 @@ struct SplitX {
     int ld;
 };
 
-// NMAT = 1: a plain product; NMAT = 2: gate and up of one expert, written as silu(gate) * up.
-template <int NMAT>
 struct __align__(16) TcSmem {
-    u16 w[NMAT][tc_bm<NMAT>()][TC_LD];  // codes as bf16
-    u16 xh[TC_BN][TC_LD];       // activations, high part
-    u16 xl[TC_BN][TC_LD];       // activations, low part
-    float scale[NMAT][tc_bm<NMAT>()];
-    float bias[NMAT][tc_bm<NMAT>()];
+    u16 w[TC_BM][TC_LD];   // codes as bf16
+    u16 xh[TC_BN][TC_LD];  // activations, high part
+    u16 xl[TC_BN][TC_LD];  // activations, low part
+    float scale[TC_BM];
+    float bias[TC_BM];
     float sx[TC_BN];  // sum of the group's activations per slot
     int xrow[TC_BN];
     float* yrow[TC_BN];
 };
 
-// The matrices of one product, by value (an array behind a pointer would live in local memory).
-template <int NMAT>
-struct QMats {
-    QMat m[NMAT];
-};
-
 // One group's global data, held in registers between its load and its store to shared memory:
-// BM / 32 8-column blocks of codes per thread and matrix, and 16 columns of one slot.
-template <int BITS, int NMAT>
+// four 8-column blocks of codes per thread, and 16 columns of one slot.
+template <int BITS>
 struct TcStage {
-    static constexpr int BLOCKS = tc_bm<NMAT>() / 32;
-    u32 codes[NMAT][BLOCKS][BITS / 4];
+    static constexpr int BLOCKS = TC_BM / 32;
+    u32 codes[BLOCKS][BITS / 4];
     uint4 xh[2], xl[2];
     float xsum;
     u16 s, b;
 };
 
-template <int BITS, int NMAT>
-__device__ __forceinline__ void tc_load(TcStage<BITS, NMAT>& st, const QMats<NMAT>& mats, SplitX x,
-                                        const TcSmem<NMAT>& sm, int n0, int rows, int cols, int g) {
+template <int BITS>
+__device__ __forceinline__ void tc_load(TcStage<BITS>& st, QMat w, SplitX x, const TcSmem& sm, int n0, int rows,
+                                        int cols, int g) {
     const int tid = threadIdx.x;
     const size_t words = (size_t)cols * BITS / 32;
 #pragma unroll
-    for (int m = 0; m < NMAT; ++m)
+    for (int j = 0; j < TcStage<BITS>::BLOCKS; ++j) {
+        const int blk = tid + j * TC_THREADS, r = blk >> 3, bi = blk & 7;
+        const u32* src = w.codes + (size_t)(n0 + r) * words + (size_t)(g * 8 + bi) * (BITS / 4);
 #pragma unroll
-        for (int j = 0; j < TcStage<BITS, NMAT>::BLOCKS; ++j) {
-            const int blk = tid + j * TC_THREADS, r = blk >> 3, bi = blk & 7;
-            const u32* src = mats.m[m].codes + (size_t)(n0 + r) * words + (size_t)(g * 8 + bi) * (BITS / 4);
-#pragma unroll
-            for (int k = 0; k < BITS / 4; ++k) st.codes[m][j][k] = n0 + r < rows ? __ldg(src + k) : 0u;
-        }
-    // Threads BM * m + r fetch row r's scale and bias of matrix m.
-    const int m = tid / tc_bm<NMAT>(), r = tid % tc_bm<NMAT>();
+        for (int k = 0; k < BITS / 4; ++k) st.codes[j][k] = n0 + r < rows ? __ldg(src + k) : 0u;
+    }
+    // Thread r < BM fetches row r's scale and bias.
+    const int r = tid;
     st.s = st.b = 0;
-    if (m < NMAT && n0 + r < rows) {
+    if (r < TC_BM && n0 + r < rows) {
         const size_t gi = (size_t)(n0 + r) * (cols >> 6) + g;
-        st.s = __ldg(mats.m[m].scales + gi);
-        st.b = __ldg(mats.m[m].biases + gi);
+        st.s = __ldg(w.scales + gi);
+        st.b = __ldg(w.biases + gi);
     }
     // Four threads per slot, 16 columns each.
     const int row = sm.xrow[tid >> 2];
@@ -160,20 +168,17 @@ __device__ __forceinline__ void tc_load(TcStage<BITS, NMAT>& st, const QMats<NMA
     st.xsum = row >= 0 && (tid & 3) == 0 ? x.sum[(size_t)row * (x.ld >> 6) + g] : 0.f;
 }
 
-template <int BITS, int NMAT>
-__device__ __forceinline__ void tc_store(const TcStage<BITS, NMAT>& st, TcSmem<NMAT>& sm) {
+template <int BITS>
+__device__ __forceinline__ void tc_store(const TcStage<BITS>& st, TcSmem& sm) {
     const int tid = threadIdx.x;
 #pragma unroll
-    for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-        for (int j = 0; j < TcStage<BITS, NMAT>::BLOCKS; ++j) {
-            const int blk = tid + j * TC_THREADS;
-            *reinterpret_cast<uint4*>(&sm.w[m][blk >> 3][(blk & 7) * 8]) = codes_to_bf16<BITS>(st.codes[m][j]);
-        }
-    const int m = tid / tc_bm<NMAT>(), r = tid % tc_bm<NMAT>();
-    if (m < NMAT) {
-        sm.scale[m][r] = bf16_to_f32(st.s);
-        sm.bias[m][r] = bf16_to_f32(st.b);
+    for (int j = 0; j < TcStage<BITS>::BLOCKS; ++j) {
+        const int blk = tid + j * TC_THREADS;
+        *reinterpret_cast<uint4*>(&sm.w[blk >> 3][(blk & 7) * 8]) = codes_to_bf16<BITS>(st.codes[j]);
+    }
+    if (tid < TC_BM) {
+        sm.scale[tid] = bf16_to_f32(st.s);
+        sm.bias[tid] = bf16_to_f32(st.b);
     }
     const int slot = tid >> 2, c0 = (tid & 3) * 16;
 #pragma unroll
@@ -184,57 +189,51 @@ __device__ __forceinline__ void tc_store(const TcStage<BITS, NMAT>& st, TcSmem<N
     if ((tid & 3) == 0) sm.sx[slot] = st.xsum;
 }
 
-// The block's BM rows [n0, n0 + BM) of `rows` against its slots (set in sm.xrow / sm.yrow, and
-// synchronised, by the caller) over `cols` columns; results written to the slots' rows.
-template <int BITS, int NMAT>
-__device__ __forceinline__ void tc_product(const QMats<NMAT> mats, SplitX x, TcSmem<NMAT>& sm, int n0, int rows,
-                                           int cols) {
-    constexpr int MI = tc_bm<NMAT>() / 32;  // 16-row tiles per warp
+// The block's 128 rows [n0, n0 + 128) of `rows` against its slots (set in sm.xrow / sm.yrow,
+// and synchronised, by the caller) over `cols` columns; results written to the slots' rows.
+template <int BITS>
+__device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0, int rows, int cols) {
+    constexpr int MI = TC_BM / 32;  // 16-row tiles per warp
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 1, wn = warp >> 1;  // warp tile: rows wm * 16 MI.., slots wn * 16..
+    const int wm = warp & 1, wn = warp >> 1;  // warp tile: rows wm * 64.., slots wn * 16..
     const int gq = lane >> 2, cq = lane & 3;  // mma fragment coordinates
-    float acc[NMAT][MI][2][4] = {};
-    TcStage<BITS, NMAT> st;
+    float acc[MI][2][4] = {};
+    TcStage<BITS> st;
     const int groups = cols >> 6;
-    tc_load<BITS, NMAT>(st, mats, x, sm, n0, rows, cols, 0);
-    tc_store<BITS, NMAT>(st, sm);
+    tc_load<BITS>(st, w, x, sm, n0, rows, cols, 0);
+    tc_store<BITS>(st, sm);
     __syncthreads();
     for (int g = 0; g < groups; ++g) {
-        if (g + 1 < groups) tc_load<BITS, NMAT>(st, mats, x, sm, n0, rows, cols, g + 1);
-        float d[NMAT][MI][2][4] = {};
+        if (g + 1 < groups) tc_load<BITS>(st, w, x, sm, n0, rows, cols, g + 1);
+        float d[MI][2][4] = {};
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             u32 bh[4], bl[4];  // [0..1]: slots 0-7 of the warp's 16, [2..3]: slots 8-15
             ldsm_b2(bh, &sm.xh[wn * 16][kk * 16], TC_LD);
             ldsm_b2(bl, &sm.xl[wn * 16][kk * 16], TC_LD);
 #pragma unroll
-            for (int m = 0; m < NMAT; ++m)
+            for (int mi = 0; mi < MI; ++mi) {
+                u32 a[4];
+                ldsm_a(a, &sm.w[(wm * MI + mi) * 16][kk * 16], TC_LD);
 #pragma unroll
-                for (int mi = 0; mi < MI; ++mi) {
-                    u32 a[4];
-                    ldsm_a(a, &sm.w[m][(wm * MI + mi) * 16][kk * 16], TC_LD);
-#pragma unroll
-                    for (int ni = 0; ni < 2; ++ni) {
-                        mma_bf16(d[m][mi][ni], a, bh + 2 * ni);
-                        mma_bf16(d[m][mi][ni], a, bl + 2 * ni);
-                    }
+                for (int ni = 0; ni < 2; ++ni) {
+                    mma_bf16(d[mi][ni], a, bh + 2 * ni);
+                    mma_bf16(d[mi][ni], a, bl + 2 * ni);
                 }
+            }
         }
 #pragma unroll
-        for (int m = 0; m < NMAT; ++m)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
+            for (int ni = 0; ni < 2; ++ni)
 #pragma unroll
-                for (int ni = 0; ni < 2; ++ni)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int r = (wm * MI + mi) * 16 + gq + (e >> 1) * 8;
-                        const int s = wn * 16 + ni * 8 + 2 * cq + (e & 1);
-                        acc[m][mi][ni][e] =
-                            fmaf(sm.scale[m][r], d[m][mi][ni][e], fmaf(sm.bias[m][r], sm.sx[s], acc[m][mi][ni][e]));
-                    }
+                for (int e = 0; e < 4; ++e) {
+                    const int r = (wm * MI + mi) * 16 + gq + (e >> 1) * 8;
+                    const int s = wn * 16 + ni * 8 + 2 * cq + (e & 1);
+                    acc[mi][ni][e] = fmaf(sm.scale[r], d[mi][ni][e], fmaf(sm.bias[r], sm.sx[s], acc[mi][ni][e]));
+                }
         __syncthreads();
-        if (g + 1 < groups) tc_store<BITS, NMAT>(st, sm);
+        if (g + 1 < groups) tc_store<BITS>(st, sm);
         __syncthreads();
     }
 #pragma unroll
@@ -245,9 +244,7 @@ __device__ __forceinline__ void tc_product(const QMats<NMAT> mats, SplitX x, TcS
             for (int e = 0; e < 4; ++e) {
                 const int r = n0 + (wm * MI + mi) * 16 + gq + (e >> 1) * 8;
                 const int slot = wn * 16 + ni * 8 + 2 * cq + (e & 1);
-                float* y = sm.yrow[slot];
-                if (sm.xrow[slot] >= 0 && r < rows)
-                    y[r] = NMAT == 2 ? silu(acc[0][mi][ni][e]) * acc[NMAT - 1][mi][ni][e] : acc[0][mi][ni][e];
+                if (sm.xrow[slot] >= 0 && r < rows) sm.yrow[slot][r] = acc[mi][ni][e];
             }
 }
 
@@ -255,14 +252,14 @@ __device__ __forceinline__ void tc_product(const QMats<NMAT> mats, SplitX x, TcS
 // ceil(tokens / 64)) blocks; cols a multiple of 64.
 template <int BITS>
 __device__ __forceinline__ void qmma_dense(QMat w, SplitX x, float* y, int tokens, int rows, int cols) {
-    __shared__ TcSmem<1> sm;
+    __shared__ TcSmem sm;
     if (threadIdx.x < TC_BN) {
         const int t = blockIdx.y * TC_BN + threadIdx.x;
         sm.xrow[threadIdx.x] = t < tokens ? t : -1;
         sm.yrow[threadIdx.x] = y + (size_t)t * rows;
     }
     __syncthreads();
-    tc_product<BITS, 1>({{w}}, x, sm, blockIdx.x * tc_bm<1>(), rows, cols);
+    tc_product<BITS>(w, x, sm, blockIdx.x * TC_BM, rows, cols);
 }
 
 #define QMMA_DENSE(BITS)                                                                                     \
@@ -333,33 +330,37 @@ __device__ __forceinline__ QMat expert_mat(QMat stack, QMat shared, int e, int e
     return {stack.codes + wofs, stack.scales + gofs, stack.biases + gofs};
 }
 
-// act[p][r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]) for every pair p, x split (act rows
-// hold stride = max(inter, inter_s) floats). Launch with 256 threads and (max tiles,
-// ceil(stride / 64)) blocks; blocks past ntiles[0] return.
+// gu[p] = (gate_e . x[t] | up_e . x[t]) for every pair p, x split: gu rows hold 2 * stride floats
+// (stride = max(inter, inter_s)), the gate's products first, the up's from column stride. The
+// first ceil(stride / 128) blocks along y take gate rows, the rest up rows (SwiGLU follows in
+// swiglu_split_bf16). Launch with 256 threads and (max tiles, 2 * ceil(stride / 128)) blocks;
+// blocks past ntiles[0] return.
 template <int BITS>
 __device__ __forceinline__ void moe_gate_up_mma(QMat gate, QMat up, QMat sgate, QMat sup, const int* perm,
-                                                const int* tiles, const int* ntiles, SplitX x, float* act,
+                                                const int* tiles, const int* ntiles, SplitX x, float* gu,
                                                 int top_k, int pairs, int experts, int inter, int inter_s,
                                                 int hidden) {
-    __shared__ TcSmem<2> sm;
+    __shared__ TcSmem sm;
     if ((int)blockIdx.x >= ntiles[0]) return;
     const int* tile = tiles + 3 * blockIdx.x;
     const int e = tile[0];
     const int rows = e == experts ? inter_s : inter;
-    const int n0 = blockIdx.y * tc_bm<2>();
-    if (n0 >= rows) return;
     const int stride = max(inter, inter_s);
+    const int per = (stride + TC_BM - 1) / TC_BM;
+    const bool is_up = (int)blockIdx.y >= per;
+    const int n0 = ((int)blockIdx.y - (is_up ? per : 0)) * TC_BM;
+    if (n0 >= rows) return;
     if (threadIdx.x < TC_BN) {
         const bool used = (int)threadIdx.x < tile[2];
         const int p = used ? perm[tile[1] + threadIdx.x] : 0;
         const int t = p < pairs ? p / top_k : p - pairs;
         sm.xrow[threadIdx.x] = used ? t : -1;
-        sm.yrow[threadIdx.x] = act + (size_t)p * stride;
+        sm.yrow[threadIdx.x] = gu + (size_t)p * 2 * stride + (is_up ? stride : 0);
     }
     __syncthreads();
-    const QMats<2> mats = {{expert_mat<BITS>(gate, sgate, e, experts, inter, hidden),
-                            expert_mat<BITS>(up, sup, e, experts, inter, hidden)}};
-    tc_product<BITS, 2>(mats, x, sm, n0, rows, hidden);
+    const QMat w = is_up ? expert_mat<BITS>(up, sup, e, experts, inter, hidden)
+                         : expert_mat<BITS>(gate, sgate, e, experts, inter, hidden);
+    tc_product<BITS>(w, x, sm, n0, rows, hidden);
 }
 
 // y[p][c] = down_e[c] . act[p], act split with rows of stride columns. Launch with 256 threads
@@ -368,7 +369,7 @@ template <int BITS>
 __device__ __forceinline__ void moe_down_mma(QMat down, QMat sdown, const int* perm, const int* tiles,
                                              const int* ntiles, SplitX act, float* y, int experts,
                                              int inter, int inter_s, int hidden) {
-    __shared__ TcSmem<1> sm;
+    __shared__ TcSmem sm;
     if ((int)blockIdx.x >= ntiles[0]) return;
     const int* tile = tiles + 3 * blockIdx.x;
     const int e = tile[0];
@@ -381,17 +382,17 @@ __device__ __forceinline__ void moe_down_mma(QMat down, QMat sdown, const int* p
         sm.yrow[threadIdx.x] = y + (size_t)p * hidden;
     }
     __syncthreads();
-    tc_product<BITS, 1>({{expert_mat<BITS>(down, sdown, e, experts, hidden, inter)}}, act, sm,
-                        blockIdx.y * tc_bm<1>(), hidden, cols);
+    tc_product<BITS>(expert_mat<BITS>(down, sdown, e, experts, hidden, inter), act, sm, blockIdx.y * TC_BM,
+                     hidden, cols);
 }
 
 #define MOE_MMA_KERNELS(BITS)                                                                                  \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) q##BITS##_moe_gate_up_mma(                     \
         QMat gate, QMat up, QMat sgate, QMat sup, const int* perm, const int* tiles, const int* ntiles,        \
-        const u16* xh, const u16* xl, const float* xsum, float* act, int top_k, int pairs, int experts,        \
+        const u16* xh, const u16* xl, const float* xsum, float* gu, int top_k, int pairs, int experts,         \
         int inter, int inter_s, int hidden) {                                                                  \
         grid_dep();                                                                                            \
-        moe_gate_up_mma<BITS>(gate, up, sgate, sup, perm, tiles, ntiles, {xh, xl, xsum, hidden}, act, top_k,   \
+        moe_gate_up_mma<BITS>(gate, up, sgate, sup, perm, tiles, ntiles, {xh, xl, xsum, hidden}, gu, top_k,    \
                               pairs, experts, inter, inter_s, hidden);                                         \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)                                                   \
