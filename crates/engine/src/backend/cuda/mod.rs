@@ -733,7 +733,7 @@ impl CudaBackend {
 
     fn split_with(
         &self,
-        kernel: &CudaFunction,
+        split_kernel: &CudaFunction,
         src: u64,
         rows: usize,
         cols: usize,
@@ -752,7 +752,7 @@ impl CudaBackend {
         if n > 0 {
             launch!(
                 self,
-                kernel,
+                split_kernel,
                 elementwise(n / 8),
                 [
                     src,
