@@ -650,16 +650,11 @@ impl CudaBackend {
             let act = self.tmp::<f32>(all * stride)?;
             // A decode step's 9 expert products at four rows per warp fill about one block per
             // SM; at one row per warp, four times as many blocks keep more loads in flight.
-            let r1 = self.one_row_per_warp(stride.div_ceil(32) * all);
-            let per_block = if r1 { 8 } else { 32 };
+            let (variant, blocks) = self.gemv_shape(stride, all);
             launch!(
                 self,
-                self.k.moe_gate_up[b][r1 as usize],
-                cfg(
-                    ((stride as u32).div_ceil(per_block), all as u32),
-                    256,
-                    4 * hidden
-                ),
+                self.k.moe_gate_up[b][variant],
+                cfg((blocks, all as u32), 256, 4 * hidden),
                 [
                     self.qarg(gate),
                     self.qarg(up),
@@ -678,16 +673,11 @@ impl CudaBackend {
                     * (pairs as u64 * qbytes(inter, hidden, gate.bits)
                         + shared_bytes(inter_s, hidden))
             )?;
-            let r1 = self.one_row_per_warp(hidden.div_ceil(32) * all);
-            let per_block = if r1 { 8 } else { 32 };
+            let (variant, blocks) = self.gemv_shape(hidden, all);
             launch!(
                 self,
-                self.k.moe_down[b][r1 as usize],
-                cfg(
-                    ((hidden as u32).div_ceil(per_block), all as u32),
-                    256,
-                    4 * stride
-                ),
+                self.k.moe_down[b][variant],
+                cfg((blocks, all as u32), 256, 4 * stride),
                 [
                     self.qarg(down),
                     sdown,
@@ -927,6 +917,14 @@ impl CudaBackend {
     /// row per warp instead (four times the blocks): below two blocks per SM the GPU idles.
     fn one_row_per_warp(&self, blocks: usize) -> bool {
         blocks < 2 * self.sms
+    }
+
+    /// The matrix-vector variant (0: four rows per warp, 1: one) for `copies` products of
+    /// `rows` rows each, and the blocks each takes along its rows (8 warps per block).
+    fn gemv_shape(&self, rows: usize, copies: usize) -> (usize, u32) {
+        let r1 = self.one_row_per_warp(rows.div_ceil(32) * copies);
+        let per_block = if r1 { 8 } else { 32 };
+        (usize::from(r1), (rows as u32).div_ceil(per_block))
     }
 
     /// cuLaunchKernelEx, with programmatic dependent launch where the GPU has it (every kernel
@@ -1350,15 +1348,13 @@ impl Backend for CudaBackend {
             self.ptr(&out.buf),
         );
         // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
-        // run on the tensor cores, each 64-row tile of codes serving 64 tokens.
+        // run on the tensor cores, each 128-row tile of codes serving 64 tokens.
         if x.rows < MMA_MIN_TOKENS {
-            let r1 = self.one_row_per_warp(w.rows.div_ceil(32));
-            let per_block = if r1 { 8 } else { 32 };
-            let grid = ((w.rows as u32).div_ceil(per_block), x.rows as u32);
+            let (variant, blocks) = self.gemv_shape(w.rows, 1);
             launch!(
                 self,
-                self.k.gemv[b][r1 as usize],
-                cfg(grid, 256, 4 * w.cols),
+                self.k.gemv[b][variant],
+                cfg((blocks, x.rows as u32), 256, 4 * w.cols),
                 [
                     args.0,
                     args.1,

@@ -197,6 +197,9 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp & 1, wn = warp >> 1;  // warp tile: rows wm * 64.., slots wn * 16..
     const int gq = lane >> 2, cq = lane & 3;  // mma fragment coordinates
+    // The block row and slot of accumulator element e of row tile mi / slot tile ni.
+    auto row_of = [&](int mi, int e) { return (wm * MI + mi) * 16 + gq + (e >> 1) * 8; };
+    auto slot_of = [&](int ni, int e) { return wn * 16 + ni * 8 + 2 * cq + (e & 1); };
     float acc[MI][2][4] = {};
     TcStage<BITS> st;
     const int groups = cols >> 6;
@@ -228,9 +231,9 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
             for (int ni = 0; ni < 2; ++ni)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int r = (wm * MI + mi) * 16 + gq + (e >> 1) * 8;
-                    const int s = wn * 16 + ni * 8 + 2 * cq + (e & 1);
-                    acc[mi][ni][e] = fmaf(sm.scale[r], d[mi][ni][e], fmaf(sm.bias[r], sm.sx[s], acc[mi][ni][e]));
+                    const int r = row_of(mi, e);
+                    acc[mi][ni][e] =
+                        fmaf(sm.scale[r], d[mi][ni][e], fmaf(sm.bias[r], sm.sx[slot_of(ni, e)], acc[mi][ni][e]));
                 }
         __syncthreads();
         if (g + 1 < groups) tc_store<BITS>(st, sm);
@@ -242,8 +245,7 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
         for (int ni = 0; ni < 2; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int r = n0 + (wm * MI + mi) * 16 + gq + (e >> 1) * 8;
-                const int slot = wn * 16 + ni * 8 + 2 * cq + (e & 1);
+                const int r = n0 + row_of(mi, e), slot = slot_of(ni, e);
                 if (sm.xrow[slot] >= 0 && r < rows) sm.yrow[slot][r] = acc[mi][ni][e];
             }
 }
