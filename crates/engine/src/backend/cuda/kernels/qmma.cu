@@ -17,14 +17,13 @@
 // a time ((w >> 4p) & 0x000f000f), straight into the bf16 pairs that meet them. The weights use
 // the same order, so every dot product is unchanged.
 //
-// Tile: 64 weight rows x 64 token slots per block of 8 warps (2 along rows x 4 along tokens,
-// each warp 32 rows x 16 tokens as 2 x 2 mma.m16n8k16 tiles), one 64-column group per step.
-// The next group's codes and activations are loaded into registers while the tensor cores work
-// on the current one. Slot s of a block reads split row xrow[s] (-1: an empty slot) and writes
-// output row yrow[s], so one core serves dense and grouped products.
+// Tile: 128 weight rows x 64 token slots per block of 8 warps (2 along rows x 4 along tokens),
+// one 64-column group per step. The next group's codes and activations are loaded into registers
+// while the tensor cores work on the current one. Slot s of a block reads split row xrow[s] (-1:
+// an empty slot) and writes output row yrow[s], so one core serves dense and grouped products.
 
-// Weight rows per block: each warp 64 rows x 16 slots (4 x 2 tiles), so that its B fragments
-// serve 4 row tiles (1.5 shared-memory wavefronts per product instead of 2).
+// Weight rows per block: each warp 64 rows x 16 slots (4 x 2 mma.m16n8k16 tiles), so that its B
+// fragments serve 4 row tiles (1.5 shared-memory wavefronts per product instead of 2).
 constexpr int TC_BM = 128;
 constexpr int TC_BN = 64;
 // Shared row pitch in bf16: 64 + 8, so that the fragment loads of a warp hit 32 different banks.
