@@ -139,6 +139,21 @@ struct Kernels {
 
 impl Kernels {
     fn load(dev: &CudaDevice) -> Result<Kernels> {
+        // The tensor-core products take more shared memory than a launch gets without opting in.
+        let tc = |name: &str| -> Result<[CudaFunction; 2]> {
+            let pair = [
+                dev.function("qmma", &format!("q4_{name}"))?,
+                dev.function("qmma", &format!("q8_{name}"))?,
+            ];
+            for func in &pair {
+                func.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    TC_SMEM_BYTES as i32,
+                )
+                .map_err(driver("opting in to shared memory"))?;
+            }
+            Ok(pair)
+        };
         let f = |family: &'static str, name: &str| dev.function(family, name);
         let pair_in = |family: &'static str, name: &str| -> Result<[CudaFunction; 2]> {
             Ok([
@@ -150,15 +165,15 @@ impl Kernels {
         Ok(Kernels {
             gemv: transpose(pair("gemv_f32")?, pair("gemv_r1")?),
             gemv_batch: transpose(pair("gemv_batch")?, pair("gemv_batch_r1")?),
-            mma: pair_in("qmma", "mma")?,
+            mma: tc("mma")?,
             embed: pair("embed")?,
             moe_gate_up: transpose(pair("moe_gate_up")?, pair("moe_gate_up_r1")?),
             moe_down: transpose(pair("moe_down")?, pair("moe_down_r1")?),
             moe_group: f("qmma", "moe_group")?,
             split_bf16: f("qmma", "split_bf16")?,
             swiglu_split_bf16: f("qmma", "swiglu_split_bf16")?,
-            moe_gate_up_mma: pair_in("qmma", "moe_gate_up_mma")?,
-            moe_down_mma: pair_in("qmma", "moe_down_mma")?,
+            moe_gate_up_mma: tc("moe_gate_up_mma")?,
+            moe_down_mma: tc("moe_down_mma")?,
             moe_combine: f("quant", "moe_combine")?,
             moe_route: f("quant", "moe_route")?,
             rms_norm: f("pointwise", "rms_norm")?,
@@ -402,6 +417,10 @@ fn same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> Result<()> {
 /// Prompt tokens per prefill forward: the tensor-core tiles take 64 tokens, and the experts'
 /// tiles fill only when each of 256 experts sees a few dozen tokens of the chunk.
 const PREFILL_CHUNK: usize = 4096;
+/// Shared memory of a tensor-core product block (`TcSmem`, kernels/qmma.cu: two groups of 128
+/// rows of codes and 64 slots of hi/lo activations, 72-element pitch, scales, biases and sums;
+/// then the slots' rows). The kernels trap if a launch gives them less.
+const TC_SMEM_BYTES: usize = 2 * (2 * (128 + 2 * 64) * 72 + 4 * (2 * 128 + 64)) + 64 * (4 + 8);
 /// Weight rows per block of the tensor-core products (`TC_BM`, kernels/qmma.cu).
 const MMA_ROWS: u32 = 128;
 /// Tokens from which the dense products run on the tensor cores (below, each token streams the
@@ -771,7 +790,7 @@ impl CudaBackend {
         launch!(
             self,
             self.k.mma[b],
-            cfg(grid, 256, 0),
+            cfg(grid, 256, TC_SMEM_BYTES),
             [
                 self.qarg(w),
                 x.hi.ptr,
@@ -852,7 +871,7 @@ impl CudaBackend {
             cfg(
                 (max_tiles as u32, 2 * (stride as u32).div_ceil(MMA_ROWS)),
                 256,
-                0
+                TC_SMEM_BYTES
             ),
             [
                 self.qarg(gate),
@@ -884,7 +903,7 @@ impl CudaBackend {
             cfg(
                 (max_tiles as u32, (hidden as u32).div_ceil(MMA_ROWS)),
                 256,
-                0
+                TC_SMEM_BYTES
             ),
             [
                 self.qarg(down),

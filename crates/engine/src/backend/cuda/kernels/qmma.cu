@@ -19,8 +19,9 @@
 //
 // Tile: 128 weight rows x 64 token slots per block of 8 warps (2 along rows x 4 along tokens),
 // one 64-column group per step. The next group's codes and activations are loaded into registers
-// while the tensor cores work on the current one. Slot s of a block reads split row xrow[s] (-1:
-// an empty slot) and writes output row yrow[s], so one core serves dense and grouped products.
+// while the tensor cores work on the current one, then written to the second of two shared
+// buffers (one barrier per group). Slot s of a block reads split row xrow[s] (-1: an empty slot)
+// and writes output row yrow[s], so one core serves dense and grouped products.
 
 // Weight rows per block: each warp 64 rows x 16 slots (4 x 2 mma.m16n8k16 tiles), so that its B
 // fragments serve 4 row tiles (1.5 shared-memory wavefronts per product instead of 2).
@@ -113,16 +114,32 @@ struct SplitX {
     int ld;
 };
 
-struct __align__(16) TcSmem {
+// One 64-column group as the tensor cores read it.
+struct __align__(16) TcGroup {
     u16 w[TC_BM][TC_LD];   // codes as bf16
     u16 xh[TC_BN][TC_LD];  // activations, high part
     u16 xl[TC_BN][TC_LD];  // activations, low part
     float scale[TC_BM];
     float bias[TC_BM];
     float sx[TC_BN];  // sum of the group's activations per slot
+};
+
+// Two groups (the one being multiplied and the next, written meanwhile), and the slots. 75 KiB:
+// dynamic shared memory (TC_SMEM_BYTES in mod.rs; each kernel checks that it got enough).
+struct __align__(16) TcSmem {
+    TcGroup group[2];
     int xrow[TC_BN];
     float* yrow[TC_BN];
 };
+
+// The block's shared memory, trapping when the launch gave less than TcSmem needs.
+__device__ __forceinline__ TcSmem& tc_smem() {
+    extern __shared__ __align__(16) unsigned char tc_smem_raw[];
+    u32 given;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(given));
+    if (given < sizeof(TcSmem)) __trap();
+    return *reinterpret_cast<TcSmem*>(tc_smem_raw);
+}
 
 // One group's global data, held in registers between its load and its store to shared memory:
 // four 8-column blocks of codes per thread, and 16 columns of one slot.
@@ -168,7 +185,7 @@ __device__ __forceinline__ void tc_load(TcStage<BITS>& st, QMat w, SplitX x, con
 }
 
 template <int BITS>
-__device__ __forceinline__ void tc_store(const TcStage<BITS>& st, TcSmem& sm) {
+__device__ __forceinline__ void tc_store(const TcStage<BITS>& st, TcGroup& sm) {
     const int tid = threadIdx.x;
 #pragma unroll
     for (int j = 0; j < TcStage<BITS>::BLOCKS; ++j) {
@@ -203,20 +220,21 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
     TcStage<BITS> st;
     const int groups = cols >> 6;
     tc_load<BITS>(st, w, x, sm, n0, rows, cols, 0);
-    tc_store<BITS>(st, sm);
+    tc_store<BITS>(st, sm.group[0]);
     __syncthreads();
     for (int g = 0; g < groups; ++g) {
         if (g + 1 < groups) tc_load<BITS>(st, w, x, sm, n0, rows, cols, g + 1);
+        const TcGroup& cur = sm.group[g & 1];
         float d[MI][2][4] = {};
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             u32 bh[4], bl[4];  // [0..1]: slots 0-7 of the warp's 16, [2..3]: slots 8-15
-            ldsm_b2(bh, &sm.xh[wn * 16][kk * 16], TC_LD);
-            ldsm_b2(bl, &sm.xl[wn * 16][kk * 16], TC_LD);
+            ldsm_b2(bh, &cur.xh[wn * 16][kk * 16], TC_LD);
+            ldsm_b2(bl, &cur.xl[wn * 16][kk * 16], TC_LD);
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
                 u32 a[4];
-                ldsm_a(a, &sm.w[(wm * MI + mi) * 16][kk * 16], TC_LD);
+                ldsm_a(a, &cur.w[(wm * MI + mi) * 16][kk * 16], TC_LD);
 #pragma unroll
                 for (int ni = 0; ni < 2; ++ni) {
                     mma_bf16(d[mi][ni], a, bh + 2 * ni);
@@ -232,10 +250,11 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
                 for (int e = 0; e < 4; ++e) {
                     const int r = row_of(mi, e);
                     acc[mi][ni][e] =
-                        fmaf(sm.scale[r], d[mi][ni][e], fmaf(sm.bias[r], sm.sx[slot_of(ni, e)], acc[mi][ni][e]));
+                        fmaf(cur.scale[r], d[mi][ni][e], fmaf(cur.bias[r], cur.sx[slot_of(ni, e)], acc[mi][ni][e]));
                 }
-        __syncthreads();
-        if (g + 1 < groups) tc_store<BITS>(st, sm);
+        // The other buffer was last read in the previous step, which every warp finished before
+        // this step's barrier: one barrier per group.
+        if (g + 1 < groups) tc_store<BITS>(st, sm.group[(g + 1) & 1]);
         __syncthreads();
     }
 #pragma unroll
@@ -253,7 +272,7 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
 // ceil(tokens / 64)) blocks; cols a multiple of 64.
 template <int BITS>
 __device__ __forceinline__ void qmma_dense(QMat w, SplitX x, float* y, int tokens, int rows, int cols) {
-    __shared__ TcSmem sm;
+    TcSmem& sm = tc_smem();
     if (threadIdx.x < TC_BN) {
         const int t = blockIdx.y * TC_BN + threadIdx.x;
         sm.xrow[threadIdx.x] = t < tokens ? t : -1;
@@ -341,7 +360,7 @@ __device__ __forceinline__ void moe_gate_up_mma(QMat gate, QMat up, QMat sgate, 
                                                 const int* tiles, const int* ntiles, SplitX x, float* gu,
                                                 int top_k, int pairs, int experts, int inter, int inter_s,
                                                 int hidden) {
-    __shared__ TcSmem sm;
+    TcSmem& sm = tc_smem();
     if ((int)blockIdx.x >= ntiles[0]) return;
     const int* tile = tiles + 3 * blockIdx.x;
     const int e = tile[0];
@@ -370,7 +389,7 @@ template <int BITS>
 __device__ __forceinline__ void moe_down_mma(QMat down, QMat sdown, const int* perm, const int* tiles,
                                              const int* ntiles, SplitX act, float* y, int experts,
                                              int inter, int inter_s, int hidden) {
-    __shared__ TcSmem sm;
+    TcSmem& sm = tc_smem();
     if ((int)blockIdx.x >= ntiles[0]) return;
     const int* tile = tiles + 3 * blockIdx.x;
     const int e = tile[0];
