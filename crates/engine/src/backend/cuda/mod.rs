@@ -81,6 +81,24 @@ pub struct CudaKvCache {
     pub max_seq: usize,
 }
 
+/// The shape of one mixture-of-experts call, worked out and checked once by `moe`.
+struct MoeDims {
+    tokens: usize,
+    hidden: usize,
+    experts: usize,
+    inter: usize,
+    /// The shared expert's intermediate size (0 without one).
+    inter_s: usize,
+    /// Routed (token, expert) pairs; `all` adds one per token for the shared expert.
+    pairs: usize,
+    all: usize,
+    /// Floats per activation row: the larger intermediate size.
+    stride: usize,
+    with_shared: bool,
+    /// Index into the `[q4, q8]` kernel pairs.
+    bits: usize,
+}
+
 /// An activation split for the tensor-core products: bf16 hi and lo parts `[rows, cols]` (each
 /// 8-column block in the order 0 4 1 5 2 6 3 7) and f32 sums per 64-column group.
 struct Split {
@@ -215,7 +233,8 @@ impl Kernels {
 }
 
 /// Dynamic shared memory of the flash-attention prefill kernel for head dim `d`
-/// (`fa_smem_bytes`, kernels/attention.cu: Q, K and V tiles, each as bf16 hi and lo).
+/// (`fa_smem_bytes`, kernels/attention.cu: Q, K and V tiles, each as bf16 hi and lo; the kernel
+/// traps if a launch gives it less).
 fn fa_smem_bytes(d: usize) -> usize {
     2 * (2 * FA_QUERIES * (d + 8) + 4 * 32 * (d + 8))
 }
@@ -649,7 +668,8 @@ impl CudaBackend {
             None => (none, none, none, 0, 0),
         };
         let pairs = t * rt.top_k;
-        let all = pairs + if shared.is_some() { t } else { 0 };
+        let with_shared = shared.is_some();
+        let all = pairs + if with_shared { t } else { 0 };
         let out = self.tensor(t, hidden)?;
         if t == 0 {
             return Ok(out);
@@ -657,14 +677,26 @@ impl CudaBackend {
         let stride = inter.max(inter_s);
         let y = self.tmp::<f32>(all * hidden)?;
         let shared_bytes = |rows, cols| {
-            if shared.is_some() {
+            if with_shared {
                 t as u64 * qbytes(rows, cols, gate.bits)
             } else {
                 0
             }
         };
         if t >= GROUPED_MOE_MIN_TOKENS {
-            self.moe_grouped(x, rt, [gate, up, down], [sgate, sup, sdown], inter_s, &y)?;
+            let dims = MoeDims {
+                tokens: t,
+                hidden,
+                experts: e,
+                inter,
+                inter_s,
+                pairs,
+                all,
+                stride,
+                with_shared,
+                bits: b,
+            };
+            self.moe_grouped(&dims, x, rt, [gate, up, down], [sgate, sup, sdown], &y)?;
         } else {
             let act = self.tmp::<f32>(all * stride)?;
             // A decode step's 9 expert products at four rows per warp fill about one block per
@@ -808,22 +840,27 @@ impl CudaBackend {
     /// The expert products of `moe` on the tensor cores: the pairs (and the shared expert's
     /// tokens, when `shared[0]` is set) sorted by expert, each expert's weights read once per
     /// tile of 64 of its pairs (kernels/qmma.cu).
-    #[allow(clippy::too_many_arguments)]
     fn moe_grouped(
         &self,
+        dims: &MoeDims,
         x: &CudaTensor,
         rt: &CudaRouting,
         [gate, up, down]: [&CudaQMatrix; 3],
         [sgate, sup, sdown]: [QMatArg; 3],
-        inter_s: usize,
         y: &DevBuf<f32>,
     ) -> Result<()> {
-        let (t, hidden) = (x.rows, x.cols);
-        let e = rt.num_experts;
-        let inter = gate.rows / e;
-        let with_shared = sgate.codes != 0;
-        let pairs = t * rt.top_k;
-        let all = pairs + if with_shared { t } else { 0 };
+        let &MoeDims {
+            tokens: t,
+            hidden,
+            experts: e,
+            inter,
+            inter_s,
+            pairs,
+            all,
+            stride,
+            with_shared,
+            bits: b,
+        } = dims;
         let groups = e + usize::from(with_shared);
         if groups > MAX_EXPERT_GROUPS {
             return Err(Error::Backend(format!(
@@ -831,7 +868,6 @@ impl CudaBackend {
                 MAX_EXPERT_GROUPS - 1
             )));
         }
-        let b = bits_index(gate.bits, &gate.name)?;
         // Each expert's run of pairs is cut into tiles of 64: at most one partial tile each.
         let max_tiles = all.div_ceil(64) + groups;
         let perm = self.tmp::<i32>(all)?;
@@ -852,7 +888,6 @@ impl CudaBackend {
                 ntiles.ptr
             ]
         )?;
-        let stride = inter.max(inter_s);
         let xs = self.split(self.ptr(&x.buf), t, hidden)?;
         // Per pair: the gate's products, then the up's from column `stride`.
         let gu = self.tmp::<f32>(all * 2 * stride)?;
@@ -1359,13 +1394,6 @@ impl Backend for CudaBackend {
         if x.rows == 0 || w.rows == 0 {
             return Ok(out);
         }
-        let args = (
-            self.ptr(&w.codes),
-            self.ptr(&w.scales),
-            self.ptr(&w.biases),
-            self.ptr(&x.buf),
-            self.ptr(&out.buf),
-        );
         // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
         // run on the tensor cores, each 128-row tile of codes serving 64 tokens.
         if x.rows < MMA_MIN_TOKENS {
@@ -1375,11 +1403,11 @@ impl Backend for CudaBackend {
                 self.k.gemv[b][variant],
                 cfg((blocks, x.rows as u32), 256, 4 * w.cols),
                 [
-                    args.0,
-                    args.1,
-                    args.2,
-                    args.3,
-                    args.4,
+                    self.ptr(&w.codes),
+                    self.ptr(&w.scales),
+                    self.ptr(&w.biases),
+                    self.ptr(&x.buf),
+                    self.ptr(&out.buf),
                     w.rows as i32,
                     w.cols as i32
                 ],

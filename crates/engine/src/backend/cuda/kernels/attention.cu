@@ -226,6 +226,7 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     constexpr int NO = D / 8;  // output n-tiles per warp
     constexpr int LD = D + 8;
     extern __shared__ __align__(16) u16 fa_smem[];
+    require_dynamic_smem(fa_smem_bytes(D));
     u16* qh = fa_smem;
     u16* ql = qh + FA_BQ * LD;
     u16* kh = ql + FA_BQ * LD;

@@ -44,6 +44,21 @@ struct QMat {
     const u16* biases;
 };
 
+// Matrix e of a stack of `rows` x `cols` BITS-bit matrices (the routed experts).
+template <int BITS>
+__device__ __forceinline__ QMat expert_slice(QMat stack, size_t e, int rows, int cols) {
+    const size_t wofs = e * rows * ((size_t)cols * BITS / 32), gofs = e * rows * (size_t)(cols >> 6);
+    return {stack.codes + wofs, stack.scales + gofs, stack.biases + gofs};
+}
+
+// Traps unless the launch gave the block at least `bytes` of dynamic shared memory (the host
+// computes the size from the same layout; a mismatch must not read past the allocation).
+__device__ __forceinline__ void require_dynamic_smem(u32 bytes) {
+    u32 given;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(given));
+    if (given < bytes) __trap();
+}
+
 // ---- asynchronous copies global -> shared (sm_80+).
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {

@@ -135,9 +135,7 @@ struct __align__(16) TcSmem {
 // The block's shared memory, trapping when the launch gave less than TcSmem needs.
 __device__ __forceinline__ TcSmem& tc_smem() {
     extern __shared__ __align__(16) unsigned char tc_smem_raw[];
-    u32 given;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(given));
-    if (given < sizeof(TcSmem)) __trap();
+    require_dynamic_smem(sizeof(TcSmem));
     return *reinterpret_cast<TcSmem*>(tc_smem_raw);
 }
 
@@ -345,9 +343,7 @@ extern "C" __global__ void moe_group(const int* ids, int pairs, int tokens, int 
 // e == experts).
 template <int BITS>
 __device__ __forceinline__ QMat expert_mat(QMat stack, QMat shared, int e, int experts, int rows, int cols) {
-    if (e == experts) return shared;
-    const size_t wofs = (size_t)e * rows * (cols * BITS / 32), gofs = (size_t)e * rows * (cols >> 6);
-    return {stack.codes + wofs, stack.scales + gofs, stack.biases + gofs};
+    return e == experts ? shared : expert_slice<BITS>(stack, (size_t)e, rows, cols);
 }
 
 // gu[p] = (gate_e . x[t] | up_e . x[t]) for every pair p, x split: gu rows hold 2 * stride floats

@@ -170,7 +170,6 @@ template <int BITS, int R>
 __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
                                             const float* x, float* act, int top_k, int pairs, int inter,
                                             int inter_s, int hidden) {
-    constexpr int PER_WORD = 32 / BITS;
     extern __shared__ float xs[];
     const int p = blockIdx.y;
     const bool shared = p >= pairs;
@@ -179,9 +178,8 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
     QMat g = sgate, u = sup;
     if (!shared) {
         const size_t e = (size_t)ids[p];
-        const size_t wofs = e * inter * (hidden / PER_WORD), gofs = e * inter * (hidden >> 6);
-        g = {gate.codes + wofs, gate.scales + gofs, gate.biases + gofs};
-        u = {up.codes + wofs, up.scales + gofs, up.biases + gofs};
+        g = expert_slice<BITS>(gate, e, inter, hidden);
+        u = expert_slice<BITS>(up, e, inter, hidden);
     }
     const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
     if ((int)(blockIdx.x * (blockDim.x >> 5)) * R >= rows) return;  // whole block idle
@@ -204,16 +202,13 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 template <int BITS, int R>
 __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, const float* act, float* y,
                                          int pairs, int inter, int inter_s, int hidden) {
-    constexpr int PER_WORD = 32 / BITS;
     extern __shared__ float xs[];
     const int p = blockIdx.y;
     const bool shared = p >= pairs;
     const int cols = shared ? inter_s : inter;
     QMat d = sdown;
     if (!shared) {
-        const size_t e = (size_t)ids[p];
-        const size_t wofs = e * hidden * (inter / PER_WORD), gofs = e * hidden * (inter >> 6);
-        d = {down.codes + wofs, down.scales + gofs, down.biases + gofs};
+        d = expert_slice<BITS>(down, (size_t)ids[p], hidden, inter);
     }
     stage_x<BITS>(xs, act + (size_t)p * max(inter, inter_s), cols);
     __syncthreads();
