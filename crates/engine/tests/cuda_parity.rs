@@ -29,9 +29,27 @@ fn device_or_skip(test: &str) -> Option<CudaDevice> {
     }
 }
 
-/// y = w x on the GPU with the q4/q8 GEMV kernel; returns y and the kernel time in ms
-/// (median of `reps` launches).
-fn gpu_gemv(dev: &CudaDevice, w: &QWeight, x: &[f32], reps: usize) -> (Vec<f32>, f32) {
+/// The matrix-vector variants of kernels/quant.cu (`GEMV_VARIANTS`): name suffix and rows per
+/// block of 256 threads.
+const GEMV_VARIANTS: [(&str, u32); 3] = [("", 32), ("_r1", 8), ("_h16", 16)];
+
+/// A `QMat` kernel parameter: codes, scales and biases pointers.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct QMatParam([u64; 3]);
+// SAFETY: three device pointers, laid out as the kernels' `QMat` struct.
+unsafe impl cudarc::driver::DeviceRepr for QMatParam {}
+
+/// y = w x on the GPU with one variant (`GEMV_VARIANTS`) of the q4/q8 GEMV kernel; returns y
+/// and the kernel time in ms (median of `reps` launches).
+fn gpu_gemv(
+    dev: &CudaDevice,
+    w: &QWeight,
+    x: &[f32],
+    (suffix, rows_per_block): (&str, u32),
+    reps: usize,
+) -> (Vec<f32>, f32) {
+    use cudarc::driver::DevicePtr;
     let s = &dev.stream;
     let as_u16 = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
     let codes = s.clone_htod(&w.codes[..]).expect("codes");
@@ -39,23 +57,18 @@ fn gpu_gemv(dev: &CudaDevice, w: &QWeight, x: &[f32], reps: usize) -> (Vec<f32>,
     let biases = s.clone_htod(&as_u16(&w.biases)).expect("biases");
     let xd = s.clone_htod(x).expect("x");
     let mut y = s.alloc_zeros::<f32>(w.rows).expect("y");
+    let qmat = QMatParam([
+        codes.device_ptr(s).0,
+        scales.device_ptr(s).0,
+        biases.device_ptr(s).0,
+    ]);
     let f = dev
-        .function(
-            "quant",
-            if w.bits == 4 {
-                "q4_gemv_f32"
-            } else {
-                "q8_gemv_f32"
-            },
-        )
+        .function("quant", &format!("q{}_gemv{suffix}", w.bits))
         .expect("kernel");
     let (rows, cols) = (w.rows as i32, w.cols as i32);
-    let threads = 256u32;
-    // 8 warps per block, 4 rows per warp (ROWS_PER_WARP); x staged in shared memory.
-    let rows_per_block = (threads / 32) * 4;
     let cfg = LaunchConfig {
         grid_dim: ((w.rows as u32).div_ceil(rows_per_block), 1, 1),
-        block_dim: (threads, 1, 1),
+        block_dim: (256, 1, 1),
         shared_mem_bytes: 4 * w.cols as u32,
     };
     let mut times = Vec::new();
@@ -65,15 +78,9 @@ fn gpu_gemv(dev: &CudaDevice, w: &QWeight, x: &[f32], reps: usize) -> (Vec<f32>,
         let stop = dev.ctx.new_event(timed).expect("event");
         start.record(s).expect("record");
         let mut b = s.launch_builder(&f);
-        b.arg(&codes)
-            .arg(&scales)
-            .arg(&biases)
-            .arg(&xd)
-            .arg(&mut y)
-            .arg(&rows)
-            .arg(&cols);
-        // SAFETY: the argument list matches the kernel's signature, and the grid covers one
-        // warp per row with buffers of exactly those sizes.
+        b.arg(&qmat).arg(&xd).arg(&mut y).arg(&rows).arg(&cols);
+        // SAFETY: the argument list matches the kernel's signature, and the grid covers every
+        // row at the variant's rows per block, with buffers of exactly those sizes.
         unsafe { b.launch(cfg) }.expect("launch");
         stop.record(s).expect("record");
         s.synchronize().expect("sync");
@@ -584,9 +591,17 @@ fn quantized_gemv_matches_the_cpu_reference() {
         ] {
             let w = qweight(&mut rng, rows, cols, bits);
             let x: Vec<f32> = (0..cols).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
-            let (got, _) = gpu_gemv(&dev, &w, &x, 1);
-            let err = nmse(&got, &r::qmatmul(&x, 1, &w));
-            assert!(err < 1e-10, "q{bits} {rows}x{cols}: nmse {err:e}");
+            let want = r::qmatmul(&x, 1, &w);
+            // Every variant at every shape, whichever the backend would choose.
+            for variant in GEMV_VARIANTS {
+                let (got, _) = gpu_gemv(&dev, &w, &x, variant, 1);
+                let err = nmse(&got, &want);
+                assert!(
+                    err < 1e-10,
+                    "q{bits} gemv{} {rows}x{cols}: nmse {err:e}",
+                    variant.0
+                );
+            }
         }
     }
 }
@@ -601,7 +616,7 @@ fn quantized_gemv_bandwidth_is_reported() {
     let (rows, cols) = (248_320, 2048); // the lm_head of Qwen3.6-35B-A3B
     let w = qweight(&mut rng, rows, cols, 4);
     let x: Vec<f32> = (0..cols).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
-    let (got, ms) = gpu_gemv(&dev, &w, &x, 20);
+    let (got, ms) = gpu_gemv(&dev, &w, &x, GEMV_VARIANTS[0], 20);
     let expect = r::qmatmul(&x, 1, &w);
     assert!(nmse(&got, &expect) < 1e-10);
     let bytes = (rows * cols / 2 + 4 * rows * cols / 64) as f64;

@@ -117,15 +117,16 @@ pub struct CudaRouting {
 
 /// The compiled kernels, looked up once at start.
 struct Kernels {
-    /// `[bits][0]`: four rows per warp; `[bits][1]`: one (small matrices).
-    gemv: [[CudaFunction; 2]; 2],
-    gemv_batch: [[CudaFunction; 2]; 2],
+    /// `[bits][variant]`, the variants of `GEMV_VARIANTS` (kernels/quant.cu): four rows per
+    /// warp, one (small matrices), one per half warp (rows of at most 16 vectors).
+    gemv: [[CudaFunction; 3]; 2],
+    gemv_batch: [[CudaFunction; 3]; 2],
     /// Tensor-core products for prefill (kernels/qmma.cu).
     mma: [CudaFunction; 2],
     embed: [CudaFunction; 2],
-    /// `[bits][0]`: four rows per warp; `[bits][1]`: one (a token's few experts spread wider).
-    moe_gate_up: [[CudaFunction; 2]; 2],
-    moe_down: [[CudaFunction; 2]; 2],
+    /// `[bits][variant]` as `gemv`.
+    moe_gate_up: [[CudaFunction; 3]; 2],
+    moe_down: [[CudaFunction; 3]; 2],
     moe_group: CudaFunction,
     split_bf16: CudaFunction,
     swiglu_split_bf16: CudaFunction,
@@ -180,13 +181,19 @@ impl Kernels {
             ])
         };
         let pair = |name: &str| pair_in("quant", name);
+        let variants = |name: &str| -> Result<[[CudaFunction; 3]; 2]> {
+            let [a4, a8] = pair(name)?;
+            let [b4, b8] = pair(&format!("{name}_r1"))?;
+            let [c4, c8] = pair(&format!("{name}_h16"))?;
+            Ok([[a4, b4, c4], [a8, b8, c8]])
+        };
         Ok(Kernels {
-            gemv: transpose(pair("gemv_f32")?, pair("gemv_r1")?),
-            gemv_batch: transpose(pair("gemv_batch")?, pair("gemv_batch_r1")?),
+            gemv: variants("gemv")?,
+            gemv_batch: variants("gemv_batch")?,
             mma: tc("mma")?,
             embed: pair("embed")?,
-            moe_gate_up: transpose(pair("moe_gate_up")?, pair("moe_gate_up_r1")?),
-            moe_down: transpose(pair("moe_down")?, pair("moe_down_r1")?),
+            moe_gate_up: variants("moe_gate_up")?,
+            moe_down: variants("moe_down")?,
             moe_group: f("qmma", "moe_group")?,
             split_bf16: f("qmma", "split_bf16")?,
             swiglu_split_bf16: f("qmma", "swiglu_split_bf16")?,
@@ -237,13 +244,6 @@ impl Kernels {
 /// traps if a launch gives it less).
 fn fa_smem_bytes(d: usize) -> usize {
     2 * (2 * FA_QUERIES * (d + 8) + 4 * 32 * (d + 8))
-}
-
-/// `[q4, q8]` x two variants -> `[[q4 variant 0, q4 variant 1], [q8 ..., ...]]`.
-fn transpose(a: [CudaFunction; 2], b: [CudaFunction; 2]) -> [[CudaFunction; 2]; 2] {
-    let [a4, a8] = a;
-    let [b4, b8] = b;
-    [[a4, b4], [a8, b8]]
 }
 
 pub struct CudaBackend {
@@ -701,11 +701,15 @@ impl CudaBackend {
             let act = self.tmp::<f32>(all * stride)?;
             // A decode step's 9 expert products at four rows per warp fill about one block per
             // SM; at one row per warp, four times as many blocks keep more loads in flight.
-            let (variant, blocks) = self.gemv_shape(stride, all);
+            let (variant, per_block) = self.gemv_variant(stride * all, hidden, gate.bits);
             launch!(
                 self,
                 self.k.moe_gate_up[b][variant],
-                cfg((blocks, all as u32), 256, 4 * hidden),
+                cfg(
+                    (stride.div_ceil(per_block) as u32, all as u32),
+                    256,
+                    4 * hidden
+                ),
                 [
                     self.qarg(gate),
                     self.qarg(up),
@@ -724,11 +728,15 @@ impl CudaBackend {
                     * (pairs as u64 * qbytes(inter, hidden, gate.bits)
                         + shared_bytes(inter_s, hidden))
             )?;
-            let (variant, blocks) = self.gemv_shape(hidden, all);
+            let (variant, per_block) = self.gemv_variant(hidden * all, stride, down.bits);
             launch!(
                 self,
                 self.k.moe_down[b][variant],
-                cfg((blocks, all as u32), 256, 4 * stride),
+                cfg(
+                    (hidden.div_ceil(per_block) as u32, all as u32),
+                    256,
+                    4 * stride
+                ),
                 [
                     self.qarg(down),
                     sdown,
@@ -967,18 +975,22 @@ impl CudaBackend {
         }
     }
 
-    /// Whether a product that would take `blocks` blocks at four rows per warp should use one
-    /// row per warp instead (four times the blocks): below two blocks per SM the GPU idles.
-    fn one_row_per_warp(&self, blocks: usize) -> bool {
-        blocks < 2 * self.sms
-    }
-
-    /// The matrix-vector variant (0: four rows per warp, 1: one) for `copies` products of
-    /// `rows` rows each, and the blocks each takes along its rows (8 warps per block).
-    fn gemv_shape(&self, rows: usize, copies: usize) -> (usize, u32) {
-        let r1 = self.one_row_per_warp(rows.div_ceil(32) * copies);
-        let per_block = if r1 { 8 } else { 32 };
-        (usize::from(r1), (rows as u32).div_ceil(per_block))
+    /// The matrix-vector variant (`GEMV_VARIANTS`, kernels/quant.cu) for products of `cols`
+    /// columns at `bits` bits, `rows` rows in all (over every matrix and copy of one launch),
+    /// and the rows each block of it takes. Rows of at most 16 vectors of codes take half a
+    /// warp each; otherwise four rows per warp, unless that gives fewer than two blocks per SM
+    /// (the GPU would idle): then one.
+    fn gemv_variant(&self, rows: usize, cols: usize, bits: u32) -> (usize, usize) {
+        const ROWS_PER_BLOCK: [usize; 3] = [32, 8, 16];
+        let vecs = cols * bits as usize / 128;
+        let variant = if vecs <= 16 {
+            2
+        } else if rows.div_ceil(ROWS_PER_BLOCK[0]) < 2 * self.sms {
+            1
+        } else {
+            0
+        };
+        (variant, ROWS_PER_BLOCK[variant])
     }
 
     /// cuLaunchKernelEx, with programmatic dependent launch where the GPU has it (every kernel
@@ -1397,15 +1409,17 @@ impl Backend for CudaBackend {
         // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
         // run on the tensor cores, each 128-row tile of codes serving 64 tokens.
         if x.rows < MMA_MIN_TOKENS {
-            let (variant, blocks) = self.gemv_shape(w.rows, 1);
+            let (variant, per_block) = self.gemv_variant(w.rows * x.rows, w.cols, w.bits);
             launch!(
                 self,
                 self.k.gemv[b][variant],
-                cfg((blocks, x.rows as u32), 256, 4 * w.cols),
+                cfg(
+                    (w.rows.div_ceil(per_block) as u32, x.rows as u32),
+                    256,
+                    4 * w.cols
+                ),
                 [
-                    self.ptr(&w.codes),
-                    self.ptr(&w.scales),
-                    self.ptr(&w.biases),
+                    self.qarg(w),
                     self.ptr(&x.buf),
                     self.ptr(&out.buf),
                     w.rows as i32,
@@ -1444,8 +1458,8 @@ impl Backend for CudaBackend {
                 let b = self.check_q(x.cols, part[0])?;
                 let mut batch = QBatch::default();
                 let mut blocks = 0i32;
-                let r1 = self.one_row_per_warp(part.iter().map(|w| w.rows.div_ceil(32)).sum());
-                let per_block = if r1 { 8 } else { 32 };
+                let (variant, per_block) =
+                    self.gemv_variant(part.iter().map(|w| w.rows).sum(), x.cols, part[0].bits);
                 for (m, w) in part.iter().enumerate() {
                     self.check_q(x.cols, w)?;
                     let out = self.tensor(1, w.rows)?;
@@ -1462,7 +1476,7 @@ impl Backend for CudaBackend {
                 if blocks > 0 {
                     launch!(
                         self,
-                        self.k.gemv_batch[b][r1 as usize],
+                        self.k.gemv_batch[b][variant],
                         cfg((blocks as u32, 1), 256, 4 * x.cols),
                         [batch, self.ptr(&x.buf), x.cols as i32],
                         bytes = part

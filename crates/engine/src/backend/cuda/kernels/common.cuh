@@ -7,14 +7,25 @@ typedef unsigned long long u64;
 
 #define NEG_INF __int_as_float(0xff800000u)
 
-// Programmatic dependent launch (Hopper and newer): wait until the previous kernel's results are
-// visible, then let the next kernel start launching, so that its launch overlaps this kernel's
-// work. Every kernel calls this first; without the launch attribute both are no-ops.
-__device__ __forceinline__ void grid_dep() {
+// Programmatic dependent launch (Hopper and newer). `pdl_wait` returns once the previous kernel
+// has finished and its writes are visible; `pdl_launch_dependents` lets the next kernel start
+// launching, so that its launch (and whatever it does before its own wait) overlaps this
+// kernel's work. Before the wait a kernel may read only what no kernel writes (the weights).
+// Without the launch attribute both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+// What most kernels begin with: wait for the inputs, then let the next kernel launch.
+__device__ __forceinline__ void grid_dep() {
+    pdl_wait();
+    pdl_launch_dependents();
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -10,95 +10,184 @@
 
 
 // Stages x (cols floats) in shared memory transposed, xs[j][w] = x[w * PER_WORD + j], so that the
-// matrix-vector loop reads four consecutive words' x values as one float4.
+// matrix-vector loop reads four consecutive words' x values as one float4. One thread per word:
+// its PER_WORD values arrive as float4 loads, and consecutive threads store to consecutive banks.
 template <int BITS>
 __device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, int cols) {
     constexpr int PER_WORD = 32 / BITS;
     const int words = cols / PER_WORD;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) xs[(c % PER_WORD) * words + c / PER_WORD] = x[c];
+    for (int w = threadIdx.x; w < words; w += blockDim.x) {
+        const float4* src = reinterpret_cast<const float4*>(x + (size_t)w * PER_WORD);
+#pragma unroll
+        for (int h = 0; h < PER_WORD / 4; ++h) {
+            const float4 v = src[h];
+            xs[(4 * h + 0) * words + w] = v.x;
+            xs[(4 * h + 1) * words + w] = v.y;
+            xs[(4 * h + 2) * words + w] = v.z;
+            xs[(4 * h + 3) * words + w] = v.w;
+        }
+    }
 }
 
-// Lane partial sums of R consecutive rows starting at row0 (rows >= nrows are skipped) against
-// the staged x. At each step lane l takes the four words 4v..4v+3 (v = step*32 + l) of each row as
-// one 16-byte load (a warp reads 512 contiguous bytes per row) and their x values as float4 reads
-// of consecutive shared-memory words (no bank conflicts); each x value serves R rows.
-// Needs cols to be a multiple of 64 (every MLX tensor's is). The caller reduces over the warp.
-template <int BITS, int R>
-__device__ __forceinline__ void qrows_partial(QMat w, int row0, int nrows, int cols, const float* xs,
-                                              float acc[R]) {
-    constexpr int PER_WORD = 32 / BITS;
-    constexpr u32 MASK = (1u << BITS) - 1u;
-    const int lane = threadIdx.x & 31;
-    const int words = cols / PER_WORD;
-    const int groups = cols >> 6;
-    const int vecs = words >> 2;
-    for (int v = lane; v < vecs; v += 32) {
-        float4 xv[PER_WORD];
-        float sx = 0.f;
+// Sum over each group of LANES lanes (32: the warp; 16: each half).
+template <int LANES>
+__device__ __forceinline__ float lanes_sum(float v) {
 #pragma unroll
-        for (int j = 0; j < PER_WORD; ++j) {
-            xv[j] = reinterpret_cast<const float4*>(xs + j * words)[v];
-            sx += (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
-        }
-        const int g = (v * 4 * PER_WORD) >> 6;
+    for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The first of the R consecutive rows this lane works on: a warp takes R rows per group of
+// LANES lanes (LANES = 16 puts two groups of rows side by side, for rows of at most 16 vectors,
+// which would leave half of a 32-lane warp idle).
+template <int R, int LANES>
+__device__ __forceinline__ int first_row(int warp_in_grid) {
+    return (warp_in_grid * (32 / LANES) + (int)(threadIdx.x & 31) / LANES) * R;
+}
+
+// This thread's warp in the grid along x (8 warps per block).
+__device__ __forceinline__ int warp_in_grid() { return (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)); }
+
+// Whether the whole warp is past the last row (the lane sums need every lane of a working warp).
+template <int R, int LANES>
+__device__ __forceinline__ bool warp_idle(int warp_in_grid, int rows) {
+    return warp_in_grid * R * (32 / LANES) >= rows;
+}
+
+// R rows' dot products with a staged x. A row is a run of 16-byte vectors of codes; lane l of its
+// LANES takes vectors l, l + LANES, ..., U of them per round, all U loads issued before any is
+// used. `load(0)` may run before the previous kernel has finished (the weights never change), so
+// that the first round's loads overlap its tail; `run` does the rest once x is staged.
+// Per 64-column group the sum is scale * sum(q * x) + bias * sum(x), in f32, without rounding the
+// dequantized weight (as the CPU reference computes it). Needs cols to be a multiple of 64.
+template <int BITS, int R, int U, int LANES>
+struct QRows {
+    static constexpr int PER_WORD = 32 / BITS;
+    static constexpr u32 MASK = (1u << BITS) - 1u;
+    QMat w;
+    int row0, nrows, words, groups, vecs;
+    uint4 q[R][U];
+    u16 s[R][U], b[R][U];
+
+    __device__ __forceinline__ QRows(QMat w_, int row0_, int nrows_, int cols)
+        : w(w_), row0(row0_), nrows(nrows_), words(cols / PER_WORD), groups(cols >> 6),
+          vecs(cols / PER_WORD / 4) {}
+
+    __device__ __forceinline__ int vec(int base, int u) const {
+        return base + (int)(threadIdx.x & (LANES - 1)) + LANES * u;
+    }
+
+    // Loads of vectors vec(base, 0..U-1) of each row; past the end they are zeros (a zero scale
+    // and bias add nothing).
+    __device__ __forceinline__ void load(int base) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const int row = row0 + r;
-            if (row < nrows) {
-                const uint4 q = __ldg(reinterpret_cast<const uint4*>(w.codes + (size_t)row * words) + v);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int v = vec(base, u), row = row0 + r;
+                if (row < nrows && v < vecs) {
+                    q[r][u] = __ldg(reinterpret_cast<const uint4*>(w.codes + (size_t)row * words) + v);
+                    const size_t gi = (size_t)row * groups + ((v * 4 * PER_WORD) >> 6);
+                    s[r][u] = __ldg(w.scales + gi);
+                    b[r][u] = __ldg(w.biases + gi);
+                } else {
+                    q[r][u] = make_uint4(0u, 0u, 0u, 0u);
+                    s[r][u] = 0;
+                    b[r][u] = 0;
+                }
+            }
+        }
+    }
+
+    __device__ __forceinline__ void accumulate(int base, const float* xs, float acc[R]) const {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int v = vec(base, u);
+            if (v >= vecs) break;
+            float4 xv[PER_WORD];
+            float sx = 0.f;
+#pragma unroll
+            for (int j = 0; j < PER_WORD; ++j) {
+                xv[j] = reinterpret_cast<const float4*>(xs + j * words)[v];
+                sx += (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const uint4 c = q[r][u];
                 float dot = 0.f;
 #pragma unroll
                 for (int j = 0; j < PER_WORD; ++j) {
                     const int sh = BITS * j;
-                    dot = fmaf((float)((q.x >> sh) & MASK), xv[j].x, dot);
-                    dot = fmaf((float)((q.y >> sh) & MASK), xv[j].y, dot);
-                    dot = fmaf((float)((q.z >> sh) & MASK), xv[j].z, dot);
-                    dot = fmaf((float)((q.w >> sh) & MASK), xv[j].w, dot);
+                    dot = fmaf((float)((c.x >> sh) & MASK), xv[j].x, dot);
+                    dot = fmaf((float)((c.y >> sh) & MASK), xv[j].y, dot);
+                    dot = fmaf((float)((c.z >> sh) & MASK), xv[j].z, dot);
+                    dot = fmaf((float)((c.w >> sh) & MASK), xv[j].w, dot);
                 }
-                const size_t gi = (size_t)row * groups + g;
-                acc[r] = fmaf(bf16_to_f32(__ldg(w.scales + gi)), dot,
-                              fmaf(bf16_to_f32(__ldg(w.biases + gi)), sx, acc[r]));
+                acc[r] = fmaf(bf16_to_f32(s[r][u]), dot, fmaf(bf16_to_f32(b[r][u]), sx, acc[r]));
             }
         }
     }
-}
 
-// y[t][r] = sum_c w[r][c] * x[t][c] for one token per blockIdx.y, R rows per warp: R = 4
-// reuses each staged x value for four rows (large matrices); R = 1 spreads a small matrix over
-// four times as many blocks, so that it still occupies the whole GPU. Launch with 256 threads,
-// (ceil(rows / (8 * R)), tokens) blocks and cols * 4 bytes of dynamic shared memory.
-template <int BITS, int R>
+    // After load(0) and the staging of x: every vector of the rows, reduced over the lanes (the
+    // sums are valid in each group's first lane).
+    __device__ __forceinline__ void run(const float* xs, float acc[R]) {
+        accumulate(0, xs, acc);
+        for (int base = LANES * U; base < vecs; base += LANES * U) {
+            load(base);
+            accumulate(base, xs, acc);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = lanes_sum<LANES>(acc[r]);
+    }
+
+    __device__ __forceinline__ bool writer(int r) const {
+        return (threadIdx.x & (LANES - 1)) == 0 && row0 + r < nrows;
+    }
+};
+
+// The matrix-vector variants, by the rows each warp takes:
+//   r4:  four rows per warp, each x value reused for four rows (large matrices);
+//   r1:  one row per warp, four times the blocks (a small matrix still fills the GPU);
+//   h16: one row per half warp (rows of at most 16 vectors: 512 4-bit columns).
+// Each launches with 256 threads and ceil(rows / ROWS_PER_BLOCK) blocks along x, ROWS_PER_BLOCK
+// being 32, 8 and 16 (mod.rs, `GemvVariant`).
+#define GEMV_VARIANTS(X)  \
+    X(4, 2, 32, )          \
+    X(1, 4, 32, _r1)       \
+    X(1, 2, 16, _h16)
+
+// y[t][r] = sum_c w[r][c] * x[t][c], one token per blockIdx.y. Launch with 256 threads,
+// cols * 4 bytes of dynamic shared memory.
+template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void qgemv(QMat w, const float* __restrict__ x, float* __restrict__ y, int rows,
                                       int cols) {
     extern __shared__ float xs[];
-    x += (size_t)blockIdx.y * cols;
-    y += (size_t)blockIdx.y * rows;
-    stage_x<BITS>(xs, x, cols);
+    pdl_launch_dependents();
+    QRows<BITS, R, U, LANES> m(w, first_row<R, LANES>(warp_in_grid()), rows, cols);
+    m.load(0);
+    pdl_wait();
+    stage_x<BITS>(xs, x + (size_t)blockIdx.y * cols, cols);
     __syncthreads();
-    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
-    if (row0 >= rows) return;
+    if (warp_idle<R, LANES>(warp_in_grid(), rows)) return;
     float acc[R] = {};
-    qrows_partial<BITS, R>(w, row0, rows, cols, xs, acc);
+    m.run(xs, acc);
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float v = warp_sum(acc[r]);
-        if ((threadIdx.x & 31) == 0 && row0 + r < rows) y[row0 + r] = v;
-    }
+    for (int r = 0; r < R; ++r)
+        if (m.writer(r)) y[(size_t)blockIdx.y * rows + m.row0 + r] = acc[r];
 }
 
-#define QGEMV(BITS, R, NAME)                                                                             \
-    extern "C" __global__ void NAME(const u32* codes, const u16* scales, const u16* biases, const float* x, \
-                                    float* y, int rows, int cols) { grid_dep();                                      \
-        qgemv<BITS, R>({codes, scales, biases}, x, y, rows, cols);                                        \
+#define QGEMV(R, U, LANES, SUFFIX)                                                                      \
+    extern "C" __global__ void q4_gemv##SUFFIX(QMat w, const float* x, float* y, int rows, int cols) {   \
+        qgemv<4, R, U, LANES>(w, x, y, rows, cols);                                                     \
+    }                                                                                                   \
+    extern "C" __global__ void q8_gemv##SUFFIX(QMat w, const float* x, float* y, int rows, int cols) {   \
+        qgemv<8, R, U, LANES>(w, x, y, rows, cols);                                                     \
     }
-QGEMV(4, 4, q4_gemv_f32)
-QGEMV(8, 4, q8_gemv_f32)
-QGEMV(4, 1, q4_gemv_r1)
-QGEMV(8, 1, q8_gemv_r1)
+GEMV_VARIANTS(QGEMV)
 
 // Up to four matrices of the same width and bit width that read the same x (the fused input
-// projections of a layer): one launch, blocks assigned to matrices in order, ceil(rows_m / 32)
-// each. Passed by value as one kernel parameter.
+// projections of a layer): one launch, blocks assigned to matrices in order,
+// ceil(rows_m / ROWS_PER_BLOCK) each. Passed by value as one kernel parameter.
 struct QBatch {
     const u32* codes[4];
     const u16* scales[4];
@@ -108,31 +197,36 @@ struct QBatch {
     int first_block[5];
 };
 
-template <int BITS, int R>
+// Launch with 256 threads, first_block[4] blocks and cols * 4 bytes of shared memory; one token.
+template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __restrict__ x, int cols) {
     extern __shared__ float xs[];
+    pdl_launch_dependents();
     int m = 0;
     while (m < 3 && (int)blockIdx.x >= b.first_block[m + 1]) ++m;
+    const int rows = b.rows[m];
+    const int warp = warp_in_grid() - b.first_block[m] * (blockDim.x >> 5);
+    QRows<BITS, R, U, LANES> mat({b.codes[m], b.scales[m], b.biases[m]}, first_row<R, LANES>(warp), rows, cols);
+    mat.load(0);
+    pdl_wait();
     stage_x<BITS>(xs, x, cols);
     __syncthreads();
-    const int rows = b.rows[m];
-    const int row0 = (int)((blockIdx.x - b.first_block[m]) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
-    if (row0 >= rows) return;
+    if (warp_idle<R, LANES>(warp, rows)) return;
     float acc[R] = {};
-    qrows_partial<BITS, R>({b.codes[m], b.scales[m], b.biases[m]}, row0, rows, cols, xs, acc);
+    mat.run(xs, acc);
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float v = warp_sum(acc[r]);
-        if ((threadIdx.x & 31) == 0 && row0 + r < rows) b.y[m][row0 + r] = v;
-    }
+    for (int r = 0; r < R; ++r)
+        if (mat.writer(r)) b.y[m][mat.row0 + r] = acc[r];
 }
 
-// Launch with 256 threads, first_block[4] blocks (each matrix ceil(rows / (8 * R))) and
-// cols * 4 bytes of shared memory; one token.
-extern "C" __global__ void q4_gemv_batch(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<4, 4>(b, x, cols); }
-extern "C" __global__ void q8_gemv_batch(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<8, 4>(b, x, cols); }
-extern "C" __global__ void q4_gemv_batch_r1(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<4, 1>(b, x, cols); }
-extern "C" __global__ void q8_gemv_batch_r1(QBatch b, const float* x, int cols) { grid_dep(); qgemv_batch<8, 1>(b, x, cols); }
+#define QGEMV_BATCH(R, U, LANES, SUFFIX)                                                      \
+    extern "C" __global__ void q4_gemv_batch##SUFFIX(QBatch b, const float* x, int cols) {    \
+        qgemv_batch<4, R, U, LANES>(b, x, cols);                                              \
+    }                                                                                         \
+    extern "C" __global__ void q8_gemv_batch##SUFFIX(QBatch b, const float* x, int cols) {    \
+        qgemv_batch<8, R, U, LANES>(b, x, cols);                                              \
+    }
+GEMV_VARIANTS(QGEMV_BATCH)
 
 // out[t][c] = dequantized row ids[t] of the table. One block per token.
 template <int BITS>
@@ -163,84 +257,95 @@ extern "C" __global__ void q8_embed(const u32* codes, const u16* scales, const u
 // Activations act[p] hold `stride` = max(inter, inter_s) floats, outputs y[p] `hidden`.
 
 // act[p][r] = silu(gate[r] . x[t]) * (up[r] . x[t]) for the chosen experts and the shared
-// expert only, R rows per warp (4, or 1 to spread a single token's few experts over more
-// blocks). Launch with 256 threads, (ceil(stride / (8 R)), pairs + tokens) blocks and
-// hidden * 4 bytes of shared memory.
-template <int BITS, int R>
+// expert only. Launch with 256 threads, (ceil(stride / ROWS_PER_BLOCK), pairs + tokens) blocks and
+// hidden * 4 bytes of shared memory. The shared expert's weights are fetched before the wait for
+// the previous kernel; a routed expert's only once its id (written by the router) can be read.
+template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
                                             const float* x, float* act, int top_k, int pairs, int inter,
                                             int inter_s, int hidden) {
     extern __shared__ float xs[];
+    pdl_launch_dependents();
     const int p = blockIdx.y;
     const bool shared = p >= pairs;
     const int t = shared ? p - pairs : p / top_k;
     const int rows = shared ? inter_s : inter;
+    const int warp = warp_in_grid();
+    if (warp_idle<R, LANES>(blockIdx.x * (blockDim.x >> 5), rows)) return;  // whole block idle
     QMat g = sgate, u = sup;
     if (!shared) {
+        pdl_wait();
         const size_t e = (size_t)ids[p];
         g = expert_slice<BITS>(gate, e, inter, hidden);
         u = expert_slice<BITS>(up, e, inter, hidden);
     }
-    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
-    if ((int)(blockIdx.x * (blockDim.x >> 5)) * R >= rows) return;  // whole block idle
+    QRows<BITS, R, U, LANES> gm(g, first_row<R, LANES>(warp), rows, hidden), um(u, gm.row0, rows, hidden);
+    gm.load(0);
+    um.load(0);
+    if (shared) pdl_wait();
     stage_x<BITS>(xs, x + (size_t)t * hidden, hidden);
     __syncthreads();
-    if (row0 >= rows) return;
+    if (warp_idle<R, LANES>(warp, rows)) return;
     float ag[R] = {}, au[R] = {};
-    qrows_partial<BITS, R>(g, row0, rows, hidden, xs, ag);
-    qrows_partial<BITS, R>(u, row0, rows, hidden, xs, au);
+    gm.run(xs, ag);
+    um.run(xs, au);
     const int stride = max(inter, inter_s);
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float gv = warp_sum(ag[r]), uv = warp_sum(au[r]);
-        if ((threadIdx.x & 31) == 0 && row0 + r < rows) act[(size_t)p * stride + row0 + r] = silu(gv) * uv;
-    }
+    for (int r = 0; r < R; ++r)
+        if (gm.writer(r)) act[(size_t)p * stride + gm.row0 + r] = silu(ag[r]) * au[r];
 }
 
-// y[p][r] = down[r] . act[p], R rows per warp. Launch with 256 threads, (ceil(hidden / (8 R)),
+// y[p][r] = down[r] . act[p]. Launch with 256 threads, (ceil(hidden / ROWS_PER_BLOCK),
 // pairs + tokens) blocks, stride * 4 bytes of shared memory.
-template <int BITS, int R>
+template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, const float* act, float* y,
                                          int pairs, int inter, int inter_s, int hidden) {
     extern __shared__ float xs[];
+    pdl_launch_dependents();
     const int p = blockIdx.y;
     const bool shared = p >= pairs;
     const int cols = shared ? inter_s : inter;
     QMat d = sdown;
     if (!shared) {
+        pdl_wait();
         d = expert_slice<BITS>(down, (size_t)ids[p], hidden, inter);
     }
+    QRows<BITS, R, U, LANES> m(d, first_row<R, LANES>(warp_in_grid()), hidden, cols);
+    m.load(0);
+    if (shared) pdl_wait();
     stage_x<BITS>(xs, act + (size_t)p * max(inter, inter_s), cols);
     __syncthreads();
-    const int row0 = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
-    if (row0 >= hidden) return;
+    if (warp_idle<R, LANES>(warp_in_grid(), hidden)) return;
     float acc[R] = {};
-    qrows_partial<BITS, R>(d, row0, hidden, cols, xs, acc);
+    m.run(xs, acc);
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float v = warp_sum(acc[r]);
-        if ((threadIdx.x & 31) == 0 && row0 + r < hidden) y[(size_t)p * hidden + row0 + r] = v;
-    }
+    for (int r = 0; r < R; ++r)
+        if (m.writer(r)) y[(size_t)p * hidden + m.row0 + r] = acc[r];
 }
 
-#define MOE_KERNELS(BITS, R, SUFFIX)                                                                        \
-    extern "C" __global__ void q##BITS##_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup,       \
-                                                            const int* ids, const float* x, float* act,     \
-                                                            int top_k, int pairs, int inter, int inter_s,   \
-                                                            int hidden) {                                   \
-        grid_dep();                                                                                         \
-        moe_gate_up<BITS, R>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter, inter_s, hidden);      \
-    }                                                                                                       \
-    extern "C" __global__ void q##BITS##_moe_down##SUFFIX(QMat down, QMat sdown, const int* ids,             \
-                                                         const float* act, float* y, int pairs, int inter,  \
-                                                         int inter_s, int hidden) {                         \
-        grid_dep();                                                                                         \
-        moe_down<BITS, R>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);                         \
+// gate/up take two matrices' loads in flight at once: half the vectors per round of `run`'s.
+#define MOE_KERNELS(R, U, LANES, SUFFIX)                                                                     \
+    extern "C" __global__ void q4_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup,               \
+                                                      const int* ids, const float* x, float* act, int top_k,  \
+                                                      int pairs, int inter, int inter_s, int hidden) {        \
+        moe_gate_up<4, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,         \
+                                              inter_s, hidden);                                               \
+    }                                                                                                         \
+    extern "C" __global__ void q8_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup,               \
+                                                      const int* ids, const float* x, float* act, int top_k,  \
+                                                      int pairs, int inter, int inter_s, int hidden) {        \
+        moe_gate_up<8, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,         \
+                                              inter_s, hidden);                                               \
+    }                                                                                                         \
+    extern "C" __global__ void q4_moe_down##SUFFIX(QMat down, QMat sdown, const int* ids, const float* act,    \
+                                                   float* y, int pairs, int inter, int inter_s, int hidden) { \
+        moe_down<4, R, U, LANES>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);                    \
+    }                                                                                                         \
+    extern "C" __global__ void q8_moe_down##SUFFIX(QMat down, QMat sdown, const int* ids, const float* act,    \
+                                                   float* y, int pairs, int inter, int inter_s, int hidden) { \
+        moe_down<8, R, U, LANES>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);                    \
     }
-MOE_KERNELS(4, 4, )
-MOE_KERNELS(8, 4, )
-MOE_KERNELS(4, 1, _r1)
-MOE_KERNELS(8, 1, _r1)
+GEMV_VARIANTS(MOE_KERNELS)
 
 // out[t][c] = sum_j weights[t*k+j] * y[t*k+j][c] (in the order j = 0..k-1, as the reference
 // adds), then + sigmoid(shared_logit[t]) * y[pairs + t][c] when there is a shared expert.
