@@ -29,9 +29,22 @@ fn device_or_skip(test: &str) -> Option<CudaDevice> {
     }
 }
 
-/// The matrix-vector variants of kernels/quant.cu (`GEMV_VARIANTS`): name suffix and rows per
-/// block of 256 threads.
-const GEMV_VARIANTS: [(&str, u32); 3] = [("", 32), ("_r1", 8), ("_h16", 16)];
+/// How a matrix-vector kernel of kernels/quant.cu is launched: by rows per block of 256 threads
+/// (`GEMV_VARIANTS`), or with a fixed grid whose warps walk the rows (`gemv_stream`).
+#[derive(Clone, Copy)]
+enum Grid {
+    RowsPerBlock(u32),
+    Blocks(u32),
+}
+
+/// The matrix-vector kernels: name suffix and launch. The stream kernel runs on 3 blocks, so
+/// that every shape takes several steps of the walk.
+const GEMV_KERNELS: [(&str, Grid); 4] = [
+    ("", Grid::RowsPerBlock(32)),
+    ("_r1", Grid::RowsPerBlock(8)),
+    ("_h16", Grid::RowsPerBlock(16)),
+    ("_stream", Grid::Blocks(3)),
+];
 
 /// A `QMat` kernel parameter: codes, scales and biases pointers.
 #[repr(C)]
@@ -40,13 +53,13 @@ struct QMatParam([u64; 3]);
 // SAFETY: three device pointers, laid out as the kernels' `QMat` struct.
 unsafe impl cudarc::driver::DeviceRepr for QMatParam {}
 
-/// y = w x on the GPU with one variant (`GEMV_VARIANTS`) of the q4/q8 GEMV kernel; returns y
-/// and the kernel time in ms (median of `reps` launches).
+/// y = w x on the GPU with one of the q4/q8 GEMV kernels (`GEMV_KERNELS`); returns y and the
+/// kernel time in ms (median of `reps` launches).
 fn gpu_gemv(
     dev: &CudaDevice,
     w: &QWeight,
     x: &[f32],
-    (suffix, rows_per_block): (&str, u32),
+    (suffix, grid): (&str, Grid),
     reps: usize,
 ) -> (Vec<f32>, f32) {
     use cudarc::driver::DevicePtr;
@@ -67,7 +80,10 @@ fn gpu_gemv(
         .expect("kernel");
     let (rows, cols) = (w.rows as i32, w.cols as i32);
     let cfg = LaunchConfig {
-        grid_dim: ((w.rows as u32).div_ceil(rows_per_block), 1, 1),
+        grid_dim: match grid {
+            Grid::RowsPerBlock(n) => ((w.rows as u32).div_ceil(n), 1, 1),
+            Grid::Blocks(n) => (n, 1, 1),
+        },
         block_dim: (256, 1, 1),
         shared_mem_bytes: 4 * w.cols as u32,
     };
@@ -80,7 +96,7 @@ fn gpu_gemv(
         let mut b = s.launch_builder(&f);
         b.arg(&qmat).arg(&xd).arg(&mut y).arg(&rows).arg(&cols);
         // SAFETY: the argument list matches the kernel's signature, and the grid covers every
-        // row at the variant's rows per block, with buffers of exactly those sizes.
+        // row (at the variant's rows per block, or walking them), with buffers of those sizes.
         unsafe { b.launch(cfg) }.expect("launch");
         stop.record(s).expect("record");
         s.synchronize().expect("sync");
@@ -592,8 +608,8 @@ fn quantized_gemv_matches_the_cpu_reference() {
             let w = qweight(&mut rng, rows, cols, bits);
             let x: Vec<f32> = (0..cols).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
             let want = r::qmatmul(&x, 1, &w);
-            // Every variant at every shape, whichever the backend would choose.
-            for variant in GEMV_VARIANTS {
+            // Every kernel at every shape, whichever the backend would choose.
+            for variant in GEMV_KERNELS {
                 let (got, _) = gpu_gemv(&dev, &w, &x, variant, 1);
                 let err = nmse(&got, &want);
                 assert!(
@@ -616,16 +632,27 @@ fn quantized_gemv_bandwidth_is_reported() {
     let (rows, cols) = (248_320, 2048); // the lm_head of Qwen3.6-35B-A3B
     let w = qweight(&mut rng, rows, cols, 4);
     let x: Vec<f32> = (0..cols).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
-    let (got, ms) = gpu_gemv(&dev, &w, &x, GEMV_VARIANTS[0], 20);
     let expect = r::qmatmul(&x, 1, &w);
-    assert!(nmse(&got, &expect) < 1e-10);
     let bytes = (rows * cols / 2 + 4 * rows * cols / 64) as f64;
-    let _ = writeln!(
-        std::io::stderr(),
-        "q4 GEMV {rows}x{cols} on {}: {ms:.3} ms, {:.0} GB/s",
-        dev.name,
-        bytes / (ms as f64 * 1e-3) / 1e9
-    );
+    let sms = dev
+        .ctx
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .expect("SM count") as u32;
+    for (name, grid) in [
+        ("four rows per warp", GEMV_KERNELS[0]),
+        ("stream", ("_stream", Grid::Blocks(2 * sms))),
+    ] {
+        let (got, ms) = gpu_gemv(&dev, &w, &x, grid, 20);
+        assert!(nmse(&got, &expect) < 1e-10);
+        let _ = writeln!(
+            std::io::stderr(),
+            "q4 GEMV ({name}) {rows}x{cols} on {}: {ms:.3} ms, {:.0} GB/s",
+            dev.name,
+            bytes / (ms as f64 * 1e-3) / 1e9
+        );
+    }
 }
 
 fn fused_on<B: Backend>(b: &B, ws: &[QWeight], x: &[f32], y: &[f32], g: &[f32]) -> Vec<Vec<f32>> {

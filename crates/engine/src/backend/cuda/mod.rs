@@ -121,6 +121,9 @@ struct Kernels {
     /// warp, one (small matrices), one per half warp (rows of at most 16 vectors).
     gemv: [[CudaFunction; 3]; 2],
     gemv_batch: [[CudaFunction; 3]; 2],
+    /// `[bits]`: the matrix-vector product for matrices of many rows (a grid of two blocks per
+    /// SM walking the rows).
+    gemv_stream: [CudaFunction; 2],
     /// Tensor-core products for prefill (kernels/qmma.cu).
     mma: [CudaFunction; 2],
     embed: [CudaFunction; 2],
@@ -149,6 +152,9 @@ struct Kernels {
     kv_write: CudaFunction,
     /// Head dims 64, 128, 256, 512.
     attention_partial: [CudaFunction; 4],
+    /// The dynamic shared memory each `attention_partial` kernel was allowed (opted in to the
+    /// most its largest query group needs, or as much as this device gives).
+    attention_partial_smem: [usize; 4],
     attention_combine: CudaFunction,
     /// Flash attention for prefill, head dims 64, 128, 256; `None` where the device cannot
     /// give a block the shared memory it needs (the split-K kernels serve instead).
@@ -181,6 +187,37 @@ impl Kernels {
             ])
         };
         let pair = |name: &str| pair_in("quant", name);
+        let attention_partial = [2, 4, 8, 16]
+            .map(|nd| f("attention", &format!("attention_partial_d{nd}")))
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?;
+        // Above 48 KiB a kernel must opt in; the largest size this device accepts is kept, and
+        // a launch needing more is refused (`attention`).
+        let attention_partial_smem: Vec<usize> = attention_partial
+            .iter()
+            .zip([64, 128, 256, 512])
+            .map(|(func, d)| {
+                [32, 16, 8, 4, 2, 1]
+                    .map(|group| attn_decode_smem_bytes(d, group))
+                    .into_iter()
+                    .find(|&bytes| {
+                        bytes <= SMEM_LIMIT
+                            || func
+                                .set_attribute(
+                                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    bytes as i32,
+                                )
+                                .is_ok()
+                    })
+                    .unwrap_or(0)
+            })
+            .collect();
+        let attention_partial: [CudaFunction; 4] = attention_partial
+            .try_into()
+            .map_err(|_| Error::Backend("attention kernels".into()))?;
+        let attention_partial_smem: [usize; 4] = attention_partial_smem
+            .try_into()
+            .map_err(|_| Error::Backend("attention kernels".into()))?;
         let variants = |name: &str| -> Result<[[CudaFunction; 3]; 2]> {
             let [a4, a8] = pair(name)?;
             let [b4, b8] = pair(&format!("{name}_r1"))?;
@@ -190,6 +227,7 @@ impl Kernels {
         Ok(Kernels {
             gemv: variants("gemv")?,
             gemv_batch: variants("gemv_batch")?,
+            gemv_stream: pair("gemv_stream")?,
             mma: tc("mma")?,
             embed: pair("embed")?,
             moe_gate_up: variants("moe_gate_up")?,
@@ -217,12 +255,8 @@ impl Kernels {
             ],
             rope: f("attention", "rope")?,
             kv_write: f("attention", "kv_write")?,
-            attention_partial: [
-                f("attention", "attention_partial_d2")?,
-                f("attention", "attention_partial_d4")?,
-                f("attention", "attention_partial_d8")?,
-                f("attention", "attention_partial_d16")?,
-            ],
+            attention_partial,
+            attention_partial_smem,
             attention_combine: f("attention", "attention_combine")?,
             kv_split: f("attention", "kv_split")?,
             attention_prefill: [64, 128, 256].map(|d| {
@@ -246,6 +280,13 @@ fn fa_smem_bytes(d: usize) -> usize {
     2 * (2 * FA_QUERIES * (d + 8) + 4 * 32 * (d + 8))
 }
 
+/// Dynamic shared memory of the decode attention kernel for head dim `d` and `group` query
+/// heads per KV head (`attn_decode_smem_bytes`, kernels/attention.cu): the group's queries and
+/// two stages of K (pitch d + 4) and V rows.
+fn attn_decode_smem_bytes(d: usize, group: usize) -> usize {
+    4 * (group * d + 2 * ATTN_TILE * (2 * d + 4))
+}
+
 pub struct CudaBackend {
     dev: CudaDevice,
     k: Kernels,
@@ -264,6 +305,9 @@ pub struct CudaBackend {
     graphs: bool,
     /// Programmatic dependent launch (compute capability 9.0+; `LILY_CUDA_PDL=0` turns it off).
     pdl: bool,
+    /// Products of at least `STREAM_MIN_BLOCKS_PER_SM` blocks per SM through `gemv_stream`
+    /// (`LILY_CUDA_GEMV_STREAM=0` keeps the one-pass kernels, for comparison).
+    gemv_stream: bool,
     /// While profiling: every launch, for replay in isolation.
     trace: Mutex<Option<Vec<Traced>>>,
     tracing: AtomicBool,
@@ -442,6 +486,9 @@ const PREFILL_CHUNK: usize = 4096;
 const TC_SMEM_BYTES: usize = 2 * (2 * (128 + 2 * 64) * 72 + 4 * (2 * 128 + 64)) + 64 * (4 + 8);
 /// Weight rows per block of the tensor-core products (`TC_BM`, kernels/qmma.cu).
 const MMA_ROWS: u32 = 128;
+/// Matrices that would take at least this many blocks per SM at 32 rows a block (the lm_head)
+/// go through `gemv_stream`.
+const STREAM_MIN_BLOCKS_PER_SM: usize = 8;
 /// Tokens from which the dense products run on the tensor cores (below, each token streams the
 /// weights through the matrix-vector kernels, as decode does).
 const MMA_MIN_TOKENS: usize = 8;
@@ -450,6 +497,9 @@ const MMA_MIN_TOKENS: usize = 8;
 const GROUPED_MOE_MIN_TOKENS: usize = 32;
 /// Experts plus the shared expert that the grouping kernel can count (`MAX_GROUPS`, qmma.cu).
 const MAX_EXPERT_GROUPS: usize = 1024;
+
+/// Columns per thread of the residual-add norm (`NORM_PER_THREAD`, kernels/pointwise.cu).
+const NORM_PER_THREAD: usize = 8;
 
 /// Tokens per thread of the conv kernel (`CONV_TOKENS`, kernels/gdn.cu).
 const CONV_TOKENS: u32 = 64;
@@ -462,6 +512,8 @@ const FA_MIN_TOKENS: usize = 32;
 
 /// Keys per attention split, at least (more when the split count is capped).
 const ATTN_MIN_CHUNK: usize = 64;
+/// Keys per tile of the decode attention kernel (`ATTN_TILE`, kernels/attention.cu).
+const ATTN_TILE: usize = 16;
 /// The largest dynamic shared memory a launch may ask for without opting in (48 KiB).
 const SMEM_LIMIT: usize = 48 * 1024;
 
@@ -493,6 +545,7 @@ impl CudaBackend {
             capturing: AtomicBool::new(false),
             bucket: AtomicUsize::new(0),
             graphs: std::env::var("LILY_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            gemv_stream: std::env::var("LILY_CUDA_GEMV_STREAM").map_or(true, |v| v != "0"),
             pdl,
             trace: Mutex::new(None),
             tracing: AtomicBool::new(false),
@@ -1408,7 +1461,24 @@ impl Backend for CudaBackend {
         }
         // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
         // run on the tensor cores, each 128-row tile of codes serving 64 tokens.
-        if x.rows < MMA_MIN_TOKENS {
+        if x.rows < MMA_MIN_TOKENS
+            && self.gemv_stream
+            && w.rows.div_ceil(32) >= STREAM_MIN_BLOCKS_PER_SM * self.sms
+        {
+            launch!(
+                self,
+                self.k.gemv_stream[b],
+                cfg(((2 * self.sms) as u32, x.rows as u32), 256, 4 * w.cols),
+                [
+                    self.qarg(w),
+                    self.ptr(&x.buf),
+                    self.ptr(&out.buf),
+                    w.rows as i32,
+                    w.cols as i32
+                ],
+                bytes = x.rows as u64 * qbytes(w.rows, w.cols, w.bits)
+            )?;
+        } else if x.rows < MMA_MIN_TOKENS {
             let (variant, per_block) = self.gemv_variant(w.rows * x.rows, w.cols, w.bits);
             launch!(
                 self,
@@ -1505,13 +1575,20 @@ impl Backend for CudaBackend {
                 w.len()
             )));
         }
+        if x.cols > NORM_PER_THREAD * 1024 {
+            return Err(Error::Backend(format!(
+                "add_rms_norm over {} columns: at most {} are supported on CUDA",
+                x.cols,
+                NORM_PER_THREAD * 1024
+            )));
+        }
         let out = self.tensor(x.rows, x.cols)?;
         if x.rows > 0 {
-            let threads = if x.cols >= 1024 { 256 } else { 128 };
+            let threads = x.cols.div_ceil(NORM_PER_THREAD).next_multiple_of(32);
             launch!(
                 self,
                 self.k.add_rms_norm,
-                cfg((x.rows as u32, 1), threads, 0),
+                cfg((x.rows as u32, 1), threads as u32, 0),
                 [
                     self.ptr(&x.buf),
                     self.ptr(&y.buf),
@@ -1906,11 +1983,24 @@ impl Backend for CudaBackend {
         let splits = bound.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
         let chunk = bound.div_ceil(splits);
         let rows = t * h;
+        let smem = attn_decode_smem_bytes(d, h / kv);
+        if smem > self.k.attention_partial_smem[variant] {
+            return Err(Error::Backend(format!(
+                "attention: {} query heads per KV head of dim {d} need {smem} bytes of shared \
+                 memory per block; this GPU allows {}",
+                h / kv,
+                self.k.attention_partial_smem[variant]
+            )));
+        }
         let part = self.tmp::<f32>(rows * splits * (d + 2))?;
         launch!(
             self,
             self.k.attention_partial[variant],
-            cfg(((t * kv) as u32, splits as u32), (32 * (h / kv)) as u32, 0),
+            cfg(
+                ((t * kv) as u32, splits as u32),
+                (32 * (h / kv)) as u32,
+                smem
+            ),
             [
                 self.ptr(&q.buf),
                 self.ptr(&c.k),
@@ -1927,7 +2017,7 @@ impl Backend for CudaBackend {
         launch!(
             self,
             self.k.attention_combine,
-            cfg((rows as u32, 1), 128, 0),
+            cfg((rows as u32, (d / 32) as u32), 256, 0),
             [self.ptr(&part), self.ptr(&out.buf), d as i32, splits as i32]
         )?;
         Ok(out)

@@ -37,70 +37,109 @@ extern "C" __global__ void kv_write(const float* k, const float* v, float* kc, f
     vc[dst] = v[i];
 }
 
-// Keys per warp iteration: their K and V rows are all requested before any is used, so a warp
-// keeps 2 * KEYS_PER_ITER * ND loads in flight instead of waiting on each key in turn.
-constexpr int KEYS_PER_ITER = 4;
+// Keys per tile of the decode attention kernel: two lanes per key compute its score.
+constexpr int ATTN_TILE = 16;
+
+// Dynamic shared memory of attention_partial for head dim d and `group` query heads per KV head:
+// the group's queries [group][d], then two stages of K rows [ATTN_TILE][d + 4] (the pitch keeps a
+// quarter warp's 16-byte reads of 8 different rows on different banks) and V rows
+// [ATTN_TILE][d].
+__host__ __device__ constexpr int attn_decode_smem_bytes(int d, int group) {
+    return 4 * (group * d + 2 * ATTN_TILE * (2 * d + 4));
+}
 
 // One block per (token t, KV head, key split) with one warp per query head of that KV head's
-// group, so the K and V rows are read from memory once for the whole group (the other warps hit
-// L1). Warp w covers query row r = t * heads + kvh * group + w over keys
-// [split * chunk, min(+chunk, pos0 + t + 1)) with an online softmax, and writes
-// (acc[d], max, sum) to part[r][split]. ND = head_dim / 32 values per lane.
-// q [T, H*D]; k, v [cap, KVH*D]; part [T*H, splits, D+2].
+// group. The block copies its keys' K and V rows into shared memory by cp.async, one tile while
+// the previous is in use, so each row is read from memory once for the whole group. Per tile of
+// 16 keys, lane l computes the score of key l % 16 over half the dims (l / 16), the two halves
+// adding by one shuffle; the tile's softmax max and sum are one warp reduction each; then
+// O += P V with lanes over dims, each key's probability broadcast by a shuffle. Warp w covers
+// query row r = t * heads + kvh * group + w over keys [split * chunk, min(+chunk, pos0 + t + 1))
+// and writes (acc[d], max, sum) to part[r][split]. ND = head_dim / 32 values per lane.
+// q [T, H*D]; k, v [cap, KVH*D]; part [T*H, splits, D+2]. Launch with 32 * group threads and
+// attn_decode_smem_bytes(d, group) of dynamic shared memory.
 template <int ND>
 __device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, const float* __restrict__ k,
                                                        const float* __restrict__ v, float* __restrict__ part,
                                                        int heads, int kv_heads, const int* pos_ptr, int pos0,
                                                        int chunk, int splits) {
-    constexpr int d = 32 * ND;
+    constexpr int d = 32 * ND, KP = d + 4, HALF = d / 2;
+    extern __shared__ float4 attn_smem[];
     const int group = heads / kv_heads;
+    float* qs = reinterpret_cast<float*>(attn_smem);  // [group][d]
+    float* stages = qs + group * d;                  // [2][K [TILE][KP], V [TILE][d]]
     const int t = blockIdx.x / kv_heads, kvh = blockIdx.x % kv_heads, split = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = t * heads + kvh * group + warp;
     const int len = position(pos_ptr, pos0) + t + 1;
     const int start = split * chunk, end = min(start + chunk, len);
     const size_t row = (size_t)kv_heads * d;
+    // Tile j's rows: K and V of keys start + j * TILE .. (those before `end`), 16 bytes a copy.
+    auto fetch = [&](int j) {
+        float* kt = stages + (j & 1) * ATTN_TILE * (KP + d);
+        float* vt = kt + ATTN_TILE * KP;
+        const int p0 = start + j * ATTN_TILE, n = min(ATTN_TILE, end - p0) * (d / 4);
+        for (int c = threadIdx.x; c < 2 * n; c += blockDim.x) {
+            const int is_v = c >= n, cc = c - is_v * n;
+            const int key = cc / (d / 4), col = 4 * (cc % (d / 4));
+            const size_t src = (size_t)(p0 + key) * row + kvh * d + col;
+            if (is_v) cp_async16(vt + key * d + col, v + src);
+            else cp_async16(kt + key * KP + col, k + src);
+        }
+        cp_async_commit();
+    };
+    const int tiles_n = end > start ? (end - start + ATTN_TILE - 1) / ATTN_TILE : 0;
+    if (tiles_n > 0) fetch(0);
+    // The group's queries, scaled, for the score lanes to read (each warp its own row).
     const float scale = rsqrtf((float)d);
-    float qr[ND], acc[ND];
+    for (int c = threadIdx.x; c < group * d; c += blockDim.x)
+        qs[c] = q[(size_t)(t * heads + kvh * group) * d + c] * scale;
+    const float* qw = qs + warp * d + (lane >> 4) * HALF;
+    float acc[ND];
 #pragma unroll
-    for (int j = 0; j < ND; ++j) {
-        qr[j] = q[(size_t)r * d + lane + 32 * j] * scale;
-        acc[j] = 0.f;
-    }
+    for (int j = 0; j < ND; ++j) acc[j] = 0.f;
     float m = NEG_INF, l = 0.f;
-    const float* kb = k + kvh * d + lane;
-    const float* vb = v + kvh * d + lane;
-    for (int p0 = start; p0 < end; p0 += KEYS_PER_ITER) {
-        float kr[KEYS_PER_ITER][ND], vr[KEYS_PER_ITER][ND];
-#pragma unroll
-        for (int u = 0; u < KEYS_PER_ITER; ++u) {
-            const size_t p = (size_t)min(p0 + u, end - 1);
-#pragma unroll
-            for (int j = 0; j < ND; ++j) {
-                kr[u][j] = __ldg(kb + p * row + 32 * j);
-                vr[u][j] = __ldg(vb + p * row + 32 * j);
-            }
+    for (int j = 0; j < tiles_n; ++j) {
+        if (j + 1 < tiles_n) {
+            fetch(j + 1);
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
         }
-        float s[KEYS_PER_ITER];
-#pragma unroll
-        for (int u = 0; u < KEYS_PER_ITER; ++u) {
-            float dot = 0.f;
-#pragma unroll
-            for (int j = 0; j < ND; ++j) dot = fmaf(qr[j], kr[u][j], dot);
-            s[u] = warp_sum(dot);
+        __syncthreads();
+        const float* kt = stages + (j & 1) * ATTN_TILE * (KP + d);
+        const float* vt = kt + ATTN_TILE * KP;
+        const int p0 = start + j * ATTN_TILE, key = lane & (ATTN_TILE - 1);
+        // Score of key `key` over this lane's half of the dims.
+        const float4* kr = reinterpret_cast<const float4*>(kt + key * KP + (lane >> 4) * HALF);
+        const float4* qr = reinterpret_cast<const float4*>(qw);
+        float dot = 0.f;
+#pragma unroll 8
+        for (int i = 0; i < HALF / 4; ++i) {
+            const float4 a = qr[i], b = kr[i];
+            dot = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, dot))));
         }
+        dot += __shfl_xor_sync(0xffffffffu, dot, 16);
+        // Keys past the end (their rows were not copied) weigh nothing.
+        const float s = p0 + key < end ? dot : NEG_INF;
+        float tile_max = s;
+        for (int o = 8; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+        const float m_new = fmaxf(m, tile_max);  // finite: every tile has a key before `end`
+        const float corr = expf(m - m_new);      // 0 on the first tile (m = -inf)
+        const float p = s == NEG_INF ? 0.f : expf(s - m_new);
+        float tile_sum = p;
+        for (int o = 8; o > 0; o >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, o);
+        l = l * corr + tile_sum;
+        m = m_new;
 #pragma unroll
-        for (int u = 0; u < KEYS_PER_ITER; ++u) {
-            // Keys past the end (the tail of the last iteration) weigh nothing.
-            const float su = p0 + u < end ? s[u] : NEG_INF;
-            const float m_new = fmaxf(m, su);
-            const float corr = m_new == NEG_INF ? 1.f : expf(m - m_new);
-            const float e = su == NEG_INF ? 0.f : expf(su - m_new);
-            l = l * corr + e;
+        for (int i = 0; i < ND; ++i) acc[i] *= corr;
+        const int keys = min(ATTN_TILE, end - p0);
+        for (int u = 0; u < keys; ++u) {
+            const float pu = __shfl_sync(0xffffffffu, p, u);
 #pragma unroll
-            for (int j = 0; j < ND; ++j) acc[j] = fmaf(e, vr[u][j], acc[j] * corr);
-            m = m_new;
+            for (int i = 0; i < ND; ++i) acc[i] = fmaf(pu, vt[u * d + lane + 32 * i], acc[i]);
         }
+        __syncthreads();  // every warp is done with this stage before it is refilled
     }
     float* out = part + ((size_t)r * splits + split) * (d + 2);
 #pragma unroll
@@ -124,13 +163,14 @@ ATTENTION_PARTIAL(8)
 ATTENTION_PARTIAL(16)
 
 // o[r][c] = sum_s exp(m_s - M) acc_s[c] / sum_s exp(m_s - M) l_s over the splits of row r
-// (splits past the row's keys hold max = -inf and weigh nothing). One block of 128 threads
-// per row: the split weights are computed once into shared memory, then each thread sums its
-// columns over the splits.
+// (splits past the row's keys hold max = -inf and weigh nothing). One block of 256 threads per
+// (row, 32 columns): the split weights are computed into shared memory, then warp w sums its
+// lane's column over splits w, w + 8, ... and warp 0 adds the eight partial sums.
 constexpr int MAX_SPLITS = 256;
 extern "C" __global__ void attention_combine(const float* part, float* o, int d, int splits) { grid_dep();
     __shared__ float wgt[MAX_SPLITS];
     __shared__ float red[32];
+    __shared__ float colsum[8][32];
     const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const float* pr = part + (size_t)r * splits * (d + 2);
     float mm = NEG_INF;
@@ -153,11 +193,16 @@ extern "C" __global__ void attention_combine(const float* part, float* o, int d,
     __syncthreads();
     ls = 0.f;
     for (int w = 0; w < nw; ++w) ls += red[w];
-    const float inv = 1.f / ls;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float a = 0.f;
-        for (int s = 0; s < splits; ++s) a = fmaf(pr[(size_t)s * (d + 2) + c], wgt[s], a);
-        o[(size_t)r * d + c] = a * inv;
+    const int c = blockIdx.y * 32 + lane;
+    float a = 0.f;
+    if (c < d)
+        for (int s = warp; s < splits; s += nw) a = fmaf(pr[(size_t)s * (d + 2) + c], wgt[s], a);
+    colsum[warp][lane] = a;
+    __syncthreads();
+    if (warp == 0 && c < d) {
+        float total = 0.f;
+        for (int w = 0; w < nw; ++w) total += colsum[w][lane];
+        o[(size_t)r * d + c] = total / ls;
     }
 }
 

@@ -34,19 +34,43 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
     }
 }
 
+// Columns per thread of add_rms_norm (`NORM_PER_THREAD`, mod.rs): a row is held in registers, so
+// every load of x and y is issued before any store to x (looping with a store between loads
+// waited for a round trip to memory per element).
+constexpr int NORM_PER_THREAD = 8;
+
 // The residual add fused with the next norm: x[r] += y[r], then out[r] = rmsnorm(x[r]) * w.
-// One block per row.
+// One block per row, cols <= NORM_PER_THREAD * blockDim.x. The gains are read before the wait
+// for the previous kernel (they are weights).
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int cols,
-                                        float eps) { grid_dep();
+                                        float eps) {
+    pdl_launch_dependents();
+    float g[NORM_PER_THREAD], v[NORM_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < NORM_PER_THREAD; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        g[i] = c < cols ? w[c] : 0.f;
+    }
+    pdl_wait();
     const size_t base = (size_t)blockIdx.x * cols;
     float ss = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        const float v = x[base + c] + y[base + c];
-        x[base + c] = v;
-        ss = fmaf(v, v, ss);
+#pragma unroll
+    for (int i = 0; i < NORM_PER_THREAD; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        v[i] = c < cols ? x[base + c] + y[base + c] : 0.f;
+        ss = fmaf(v[i], v[i], ss);
+    }
+#pragma unroll
+    for (int i = 0; i < NORM_PER_THREAD; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < cols) x[base + c] = v[i];
     }
     const float inv = 1.f / sqrtf(block_sum(ss) / (float)cols + eps);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[base + c] = x[base + c] * inv * w[c];
+#pragma unroll
+    for (int i = 0; i < NORM_PER_THREAD; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < cols) out[base + c] = v[i] * inv * g[i];
+    }
 }
 
 // x += y.
