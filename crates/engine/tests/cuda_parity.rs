@@ -29,8 +29,8 @@ fn device_or_skip(test: &str) -> Option<CudaDevice> {
     }
 }
 
-/// How a matrix-vector kernel of kernels/quant.cu is launched: by rows per block of 256 threads
-/// (`GEMV_VARIANTS`), or with a fixed grid whose warps walk the rows (`gemv_stream`).
+/// How a matrix-vector kernel of kernels/quant.cu is launched (256 threads a block): by rows
+/// per block (`GEMV_VARIANTS`), or with a fixed grid whose warps walk the rows (`gemv_stream`).
 #[derive(Clone, Copy)]
 enum Grid {
     RowsPerBlock(u32),
@@ -42,7 +42,7 @@ enum Grid {
 const GEMV_KERNELS: [(&str, Grid); 4] = [
     ("", Grid::RowsPerBlock(32)),
     ("_r1", Grid::RowsPerBlock(8)),
-    ("_h16", Grid::RowsPerBlock(16)),
+    ("_h16", Grid::RowsPerBlock(64)),
     ("_stream", Grid::Blocks(3)),
 ];
 

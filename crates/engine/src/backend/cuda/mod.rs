@@ -117,8 +117,7 @@ pub struct CudaRouting {
 
 /// The compiled kernels, looked up once at start.
 struct Kernels {
-    /// `[bits][variant]`, the variants of `GEMV_VARIANTS` (kernels/quant.cu): four rows per
-    /// warp, one (small matrices), one per half warp (rows of at most 16 vectors).
+    /// `[bits][variant]`, the variants of `GEMV_VARIANTS` (kernels/quant.cu, `GEMV_SHAPES`).
     gemv: [[CudaFunction; 3]; 2],
     gemv_batch: [[CudaFunction; 3]; 2],
     /// `[bits]`: the matrix-vector product for matrices of many rows (a grid of two blocks per
@@ -305,9 +304,6 @@ pub struct CudaBackend {
     graphs: bool,
     /// Programmatic dependent launch (compute capability 9.0+; `LILY_CUDA_PDL=0` turns it off).
     pdl: bool,
-    /// Products of at least `STREAM_MIN_BLOCKS_PER_SM` blocks per SM through `gemv_stream`
-    /// (`LILY_CUDA_GEMV_STREAM=0` keeps the one-pass kernels, for comparison).
-    gemv_stream: bool,
     /// While profiling: every launch, for replay in isolation.
     trace: Mutex<Option<Vec<Traced>>>,
     tracing: AtomicBool,
@@ -486,6 +482,29 @@ const PREFILL_CHUNK: usize = 4096;
 const TC_SMEM_BYTES: usize = 2 * (2 * (128 + 2 * 64) * 72 + 4 * (2 * 128 + 64)) + 64 * (4 + 8);
 /// Weight rows per block of the tensor-core products (`TC_BM`, kernels/qmma.cu).
 const MMA_ROWS: u32 = 128;
+/// How each matrix-vector variant (`GEMV_VARIANTS`, kernels/quant.cu) is launched.
+#[derive(Clone, Copy)]
+struct GemvShape {
+    variant: usize,
+    rows_per_block: usize,
+}
+
+/// r4, r1, h16.
+const GEMV_SHAPES: [GemvShape; 3] = [
+    GemvShape {
+        variant: 0,
+        rows_per_block: 32,
+    },
+    GemvShape {
+        variant: 1,
+        rows_per_block: 8,
+    },
+    GemvShape {
+        variant: 2,
+        rows_per_block: 64,
+    },
+];
+
 /// Matrices that would take at least this many blocks per SM at 32 rows a block (the lm_head)
 /// go through `gemv_stream`.
 const STREAM_MIN_BLOCKS_PER_SM: usize = 8;
@@ -545,7 +564,6 @@ impl CudaBackend {
             capturing: AtomicBool::new(false),
             bucket: AtomicUsize::new(0),
             graphs: std::env::var("LILY_CUDA_GRAPHS").map_or(true, |v| v != "0"),
-            gemv_stream: std::env::var("LILY_CUDA_GEMV_STREAM").map_or(true, |v| v != "0"),
             pdl,
             trace: Mutex::new(None),
             tracing: AtomicBool::new(false),
@@ -754,12 +772,12 @@ impl CudaBackend {
             let act = self.tmp::<f32>(all * stride)?;
             // A decode step's 9 expert products at four rows per warp fill about one block per
             // SM; at one row per warp, four times as many blocks keep more loads in flight.
-            let (variant, per_block) = self.gemv_variant(stride * all, hidden, gate.bits);
+            let shape = self.gemv_variant(stride * all, hidden, gate.bits);
             launch!(
                 self,
-                self.k.moe_gate_up[b][variant],
+                self.k.moe_gate_up[b][shape.variant],
                 cfg(
-                    (stride.div_ceil(per_block) as u32, all as u32),
+                    (stride.div_ceil(shape.rows_per_block) as u32, all as u32),
                     256,
                     4 * hidden
                 ),
@@ -781,12 +799,12 @@ impl CudaBackend {
                     * (pairs as u64 * qbytes(inter, hidden, gate.bits)
                         + shared_bytes(inter_s, hidden))
             )?;
-            let (variant, per_block) = self.gemv_variant(hidden * all, stride, down.bits);
+            let shape = self.gemv_variant(hidden * all, stride, down.bits);
             launch!(
                 self,
-                self.k.moe_down[b][variant],
+                self.k.moe_down[b][shape.variant],
                 cfg(
-                    (hidden.div_ceil(per_block) as u32, all as u32),
+                    (hidden.div_ceil(shape.rows_per_block) as u32, all as u32),
                     256,
                     4 * stride
                 ),
@@ -1028,22 +1046,20 @@ impl CudaBackend {
         }
     }
 
-    /// The matrix-vector variant (`GEMV_VARIANTS`, kernels/quant.cu) for products of `cols`
-    /// columns at `bits` bits, `rows` rows in all (over every matrix and copy of one launch),
-    /// and the rows each block of it takes. Rows of at most 16 vectors of codes take half a
-    /// warp each; otherwise four rows per warp, unless that gives fewer than two blocks per SM
-    /// (the GPU would idle): then one.
-    fn gemv_variant(&self, rows: usize, cols: usize, bits: u32) -> (usize, usize) {
-        const ROWS_PER_BLOCK: [usize; 3] = [32, 8, 16];
+    /// The matrix-vector variant (`GEMV_SHAPES`) for products of `cols` columns at `bits` bits,
+    /// `rows` rows in all (over every matrix and copy of one launch). Rows of at most 16
+    /// vectors of codes go four to a half warp; otherwise four rows per warp, unless that gives
+    /// fewer than two blocks per SM (the GPU would idle): then one.
+    fn gemv_variant(&self, rows: usize, cols: usize, bits: u32) -> GemvShape {
         let vecs = cols * bits as usize / 128;
         let variant = if vecs <= 16 {
             2
-        } else if rows.div_ceil(ROWS_PER_BLOCK[0]) < 2 * self.sms {
-            1
-        } else {
+        } else if rows.div_ceil(GEMV_SHAPES[0].rows_per_block) >= 2 * self.sms {
             0
+        } else {
+            1
         };
-        (variant, ROWS_PER_BLOCK[variant])
+        GEMV_SHAPES[variant]
     }
 
     /// cuLaunchKernelEx, with programmatic dependent launch where the GPU has it (every kernel
@@ -1461,10 +1477,7 @@ impl Backend for CudaBackend {
         }
         // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
         // run on the tensor cores, each 128-row tile of codes serving 64 tokens.
-        if x.rows < MMA_MIN_TOKENS
-            && self.gemv_stream
-            && w.rows.div_ceil(32) >= STREAM_MIN_BLOCKS_PER_SM * self.sms
-        {
+        if x.rows < MMA_MIN_TOKENS && w.rows.div_ceil(32) >= STREAM_MIN_BLOCKS_PER_SM * self.sms {
             launch!(
                 self,
                 self.k.gemv_stream[b],
@@ -1479,12 +1492,12 @@ impl Backend for CudaBackend {
                 bytes = x.rows as u64 * qbytes(w.rows, w.cols, w.bits)
             )?;
         } else if x.rows < MMA_MIN_TOKENS {
-            let (variant, per_block) = self.gemv_variant(w.rows * x.rows, w.cols, w.bits);
+            let shape = self.gemv_variant(w.rows * x.rows, w.cols, w.bits);
             launch!(
                 self,
-                self.k.gemv[b][variant],
+                self.k.gemv[b][shape.variant],
                 cfg(
-                    (w.rows.div_ceil(per_block) as u32, x.rows as u32),
+                    (w.rows.div_ceil(shape.rows_per_block) as u32, x.rows as u32),
                     256,
                     4 * w.cols
                 ),
@@ -1528,7 +1541,7 @@ impl Backend for CudaBackend {
                 let b = self.check_q(x.cols, part[0])?;
                 let mut batch = QBatch::default();
                 let mut blocks = 0i32;
-                let (variant, per_block) =
+                let shape =
                     self.gemv_variant(part.iter().map(|w| w.rows).sum(), x.cols, part[0].bits);
                 for (m, w) in part.iter().enumerate() {
                     self.check_q(x.cols, w)?;
@@ -1539,14 +1552,14 @@ impl Backend for CudaBackend {
                     batch.y[m] = self.ptr(&out.buf);
                     batch.rows[m] = w.rows as i32;
                     batch.first_block[m] = blocks;
-                    blocks += w.rows.div_ceil(per_block) as i32;
+                    blocks += w.rows.div_ceil(shape.rows_per_block) as i32;
                     outs.push(out);
                 }
                 batch.first_block[part.len()..].fill(blocks);
                 if blocks > 0 {
                     launch!(
                         self,
-                        self.k.gemv_batch[b][variant],
+                        self.k.gemv_batch[b][shape.variant],
                         cfg((blocks as u32, 1), 256, 4 * x.cols),
                         [batch, self.ptr(&x.buf), x.cols as i32],
                         bytes = part
@@ -1978,12 +1991,8 @@ impl Backend for CudaBackend {
         } else {
             pos0 + t
         };
-        // 256 splits at most: the merge kernel keeps one weight per split in shared memory.
-        let max_splits = (4096 / (t * kv)).clamp(1, 256);
-        let splits = bound.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
-        let chunk = bound.div_ceil(splits);
         let rows = t * h;
-        let smem = attn_decode_smem_bytes(d, h / kv);
+        let (threads, smem) = (32 * (h / kv), attn_decode_smem_bytes(d, h / kv));
         if smem > self.k.attention_partial_smem[variant] {
             return Err(Error::Backend(format!(
                 "attention: {} query heads per KV head of dim {d} need {smem} bytes of shared \
@@ -1992,15 +2001,20 @@ impl Backend for CudaBackend {
                 self.k.attention_partial_smem[variant]
             )));
         }
+        // As many blocks as the GPU holds at once, at most: a second wave would run the tail of
+        // the keys after the first (three blocks per SM for the 35B's 74 KiB). And 256 splits
+        // at most: the merge kernel keeps one weight per split in shared memory.
+        let per_sm = self.k.attention_partial[variant]
+            .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+            .map_err(driver("attention occupancy"))? as usize;
+        let max_splits = (per_sm.max(1) * self.sms / (t * kv)).clamp(1, 256);
+        let splits = bound.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
+        let chunk = bound.div_ceil(splits);
         let part = self.tmp::<f32>(rows * splits * (d + 2))?;
         launch!(
             self,
             self.k.attention_partial[variant],
-            cfg(
-                ((t * kv) as u32, splits as u32),
-                (32 * (h / kv)) as u32,
-                smem
-            ),
+            cfg(((t * kv) as u32, splits as u32), threads as u32, smem),
             [
                 self.ptr(&q.buf),
                 self.ptr(&c.k),

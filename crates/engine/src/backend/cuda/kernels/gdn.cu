@@ -12,18 +12,28 @@ constexpr int CONV_TOKENS = 64;
 // run. Only the first run's threads read the window, and they alone replace it with the last
 // K-1 inputs afterwards, so no thread reads a window entry another has written. Launch with
 // 128 threads and (ceil(channels / 128), ceil(tokens / CONV_TOKENS)) blocks.
+// The taps and the window are read before the wait for the previous kernel: the taps are weights,
+// and only this layer's conv writes the window, a step or chunk earlier. That launch has finished:
+// since then a whole pass through the other layers has run, including kernels that wait for
+// their predecessor before letting the next one start (grid_dep), and kernels finish in order.
 extern "C" __global__ void conv1d_silu(const float* x, const float* w, float* window, float* y, int tokens,
-                                       int channels, int k) { grid_dep();
+                                       int channels, int k) {
+    pdl_launch_dependents();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= channels) return;
     const int t0 = blockIdx.y * CONV_TOKENS, t1 = min(t0 + CONV_TOKENS, tokens);
     float h[MAX_CONV_K], taps[MAX_CONV_K], old[MAX_CONV_K];
+    const bool live = c < channels;
 #pragma unroll
     for (int j = 0; j < MAX_CONV_K; ++j) {
-        taps[j] = j < k ? w[(size_t)j * channels + c] : 0.f;
+        taps[j] = live && j < k ? w[(size_t)j * channels + c] : 0.f;
+        old[j] = (live && t0 == 0 && j < k - 1) ? window[(size_t)j * channels + c] : 0.f;
+    }
+    pdl_wait();
+    if (!live) return;
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_K; ++j) {
         // h[j] = input t0 - (k - 1) + j: from the window before the first token, else from x.
         const int i = t0 - (k - 1) + j;
-        old[j] = (t0 == 0 && j < k - 1) ? window[(size_t)j * channels + c] : 0.f;
         h[j] = j < k - 1 ? (i < 0 ? old[j] : x[(size_t)i * channels + c]) : 0.f;
     }
     for (int t = t0; t < t1; ++t) {
@@ -87,10 +97,13 @@ __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const floa
     const int kh = h / (hv / hk), kd = hk * DK, cols = 2 * kd + hv * dv;
     const bool live = row < dv;
     float4* st = reinterpret_cast<float4*>(state + ((size_t)h * dv + row) * DK);
+    // The state and the gate parameters before the wait for the previous kernel, as conv1d_silu
+    // reads its window: only this layer's recurrence writes the state, a step or chunk earlier.
     float4 s[NJ];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) s[j] = live ? st[part + GDN_TPR * j] : make_float4(0.f, 0.f, 0.f, 0.f);
     const float qscale = rsqrtf((float)DK), neg_a = -expf(a_log[h]), dtb = dt_bias[h];
+    pdl_wait();
     auto fetch = [&](int t0, GdnChunk<DK>& c) {
         const int n = min(CHUNK, tokens - t0);
         for (int i = tid; i < n * D4; i += GDN_THREADS) {
@@ -192,7 +205,7 @@ __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const floa
         gdn_recurrence_k##DK(const float* qkv, const float* a, const float* b, const float* a_log,        \
                              const float* dt_bias, float* state, float* y, int tokens, int hk, int hv, int dv, \
                              float l2_eps) {                                                                \
-        grid_dep();                                                                                         \
+        pdl_launch_dependents();                                                                            \
         gdn_recurrence_impl<DK>(qkv, a, b, a_log, dt_bias, state, y, tokens, hk, hv, dv, l2_eps);          \
     }
 GDN_RECURRENCE(64)

@@ -145,16 +145,19 @@ struct QRows {
     }
 };
 
-// The matrix-vector variants, by the rows each warp takes:
+// The matrix-vector variants, by the rows each warp takes (and the blocks per SM their registers
+// must allow):
 //   r4:  four rows per warp, each x value reused for four rows (large matrices);
 //   r1:  one row per warp, four times the blocks (a small matrix still fills the GPU);
-//   h16: one row per half warp (rows of at most 16 vectors: 512 4-bit columns).
+//   h16: four rows per half warp (rows of at most 16 vectors, 512 4-bit columns, are one 16-byte
+//        load per lane: four rows keep 2 KiB per warp in flight).
 // Each launches with 256 threads and ceil(rows / ROWS_PER_BLOCK) blocks along x, ROWS_PER_BLOCK
-// being 32, 8 and 16 (mod.rs, `GemvVariant`).
-#define GEMV_VARIANTS(X)  \
-    X(4, 2, 32, )          \
-    X(1, 4, 32, _r1)       \
-    X(1, 2, 16, _h16)
+// being 32, 8 and 64 (mod.rs, `GEMV_SHAPES`).
+// X(rows per lane group, vectors per lane per round, lanes per row, suffix, blocks per SM)
+#define GEMV_VARIANTS(X)     \
+    X(4, 2, 32, , 2)          \
+    X(1, 4, 32, _r1, 3)       \
+    X(4, 1, 16, _h16, 3)
 
 // y[t][r] = sum_c w[r][c] * x[t][c], one token per blockIdx.y. Launch with 256 threads,
 // cols * 4 bytes of dynamic shared memory.
@@ -176,11 +179,16 @@ __device__ __forceinline__ void qgemv(QMat w, const float* __restrict__ x, float
         if (m.writer(r)) y[(size_t)blockIdx.y * rows + m.row0 + r] = acc[r];
 }
 
-#define QGEMV(R, U, LANES, SUFFIX)                                                                      \
-    extern "C" __global__ void q4_gemv##SUFFIX(QMat w, const float* x, float* y, int rows, int cols) {   \
+// The launch bounds of a variant: 256 threads, and the blocks per SM its registers must allow.
+#define GEMV_BOUNDS(MIN_BLOCKS) __launch_bounds__(256, MIN_BLOCKS)
+
+#define QGEMV(R, U, LANES, SUFFIX, MIN_BLOCKS)                                                          \
+    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS)                                                  \
+        q4_gemv##SUFFIX(QMat w, const float* x, float* y, int rows, int cols) {                         \
         qgemv<4, R, U, LANES>(w, x, y, rows, cols);                                                     \
     }                                                                                                   \
-    extern "C" __global__ void q8_gemv##SUFFIX(QMat w, const float* x, float* y, int rows, int cols) {   \
+    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS)                                                  \
+        q8_gemv##SUFFIX(QMat w, const float* x, float* y, int rows, int cols) {                         \
         qgemv<8, R, U, LANES>(w, x, y, rows, cols);                                                     \
     }
 GEMV_VARIANTS(QGEMV)
@@ -215,10 +223,10 @@ __device__ __forceinline__ void qgemv_stream(QMat w, const float* __restrict__ x
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) q4_gemv_stream(QMat w, const float* x, float* y, int rows, int cols) {
+extern "C" __global__ void GEMV_BOUNDS(2) q4_gemv_stream(QMat w, const float* x, float* y, int rows, int cols) {
     qgemv_stream<4>(w, x, y, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256, 2) q8_gemv_stream(QMat w, const float* x, float* y, int rows, int cols) {
+extern "C" __global__ void GEMV_BOUNDS(2) q8_gemv_stream(QMat w, const float* x, float* y, int rows, int cols) {
     qgemv_stream<8>(w, x, y, rows, cols);
 }
 
@@ -256,12 +264,14 @@ __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __rest
         if (mat.writer(r)) b.y[m][mat.row0 + r] = acc[r];
 }
 
-#define QGEMV_BATCH(R, U, LANES, SUFFIX)                                                      \
-    extern "C" __global__ void q4_gemv_batch##SUFFIX(QBatch b, const float* x, int cols) {    \
-        qgemv_batch<4, R, U, LANES>(b, x, cols);                                              \
-    }                                                                                         \
-    extern "C" __global__ void q8_gemv_batch##SUFFIX(QBatch b, const float* x, int cols) {    \
-        qgemv_batch<8, R, U, LANES>(b, x, cols);                                              \
+#define QGEMV_BATCH(R, U, LANES, SUFFIX, MIN_BLOCKS)                                                  \
+    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS) q4_gemv_batch##SUFFIX(QBatch b, const float* x,   \
+                                                                            int cols) {                 \
+        qgemv_batch<4, R, U, LANES>(b, x, cols);                                                        \
+    }                                                                                                   \
+    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS) q8_gemv_batch##SUFFIX(QBatch b, const float* x,   \
+                                                                            int cols) {                 \
+        qgemv_batch<8, R, U, LANES>(b, x, cols);                                                        \
     }
 GEMV_VARIANTS(QGEMV_BATCH)
 
@@ -360,27 +370,31 @@ __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, 
         if (m.writer(r)) y[(size_t)p * hidden + m.row0 + r] = acc[r];
 }
 
-// gate/up take two matrices' loads in flight at once: half the vectors per round of `run`'s.
-#define MOE_KERNELS(R, U, LANES, SUFFIX)                                                                     \
-    extern "C" __global__ void q4_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup,               \
-                                                      const int* ids, const float* x, float* act, int top_k,  \
-                                                      int pairs, int inter, int inter_s, int hidden) {        \
-        moe_gate_up<4, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,         \
-                                              inter_s, hidden);                                               \
-    }                                                                                                         \
-    extern "C" __global__ void q8_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup,               \
-                                                      const int* ids, const float* x, float* act, int top_k,  \
-                                                      int pairs, int inter, int inter_s, int hidden) {        \
-        moe_gate_up<8, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,         \
-                                              inter_s, hidden);                                               \
-    }                                                                                                         \
-    extern "C" __global__ void q4_moe_down##SUFFIX(QMat down, QMat sdown, const int* ids, const float* act,    \
-                                                   float* y, int pairs, int inter, int inter_s, int hidden) { \
-        moe_down<4, R, U, LANES>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);                    \
-    }                                                                                                         \
-    extern "C" __global__ void q8_moe_down##SUFFIX(QMat down, QMat sdown, const int* ids, const float* act,    \
-                                                   float* y, int pairs, int inter, int inter_s, int hidden) { \
-        moe_down<8, R, U, LANES>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);                    \
+// gate/up take two matrices' loads in flight at once: half the vectors per round of `run`'s. With
+// four rows per half warp that is too many registers for three blocks per SM: two.
+#define GATE_UP_MIN_BLOCKS(LANES, MIN_BLOCKS) ((LANES) == 16 ? 2 : (MIN_BLOCKS))
+#define MOE_KERNELS(R, U, LANES, SUFFIX, MIN_BLOCKS)                                                   \
+    extern "C" __global__ void GEMV_BOUNDS(GATE_UP_MIN_BLOCKS(LANES, MIN_BLOCKS))                        \
+        q4_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids, const float* x, \
+                               float* act, int top_k, int pairs, int inter, int inter_s, int hidden) {  \
+        moe_gate_up<4, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,   \
+                                              inter_s, hidden);                                         \
+    }                                                                                                   \
+    extern "C" __global__ void GEMV_BOUNDS(GATE_UP_MIN_BLOCKS(LANES, MIN_BLOCKS))                        \
+        q8_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids, const float* x, \
+                               float* act, int top_k, int pairs, int inter, int inter_s, int hidden) {  \
+        moe_gate_up<8, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,   \
+                                              inter_s, hidden);                                         \
+    }                                                                                                   \
+    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS)                                                  \
+        q4_moe_down##SUFFIX(QMat down, QMat sdown, const int* ids, const float* act, float* y, int pairs, \
+                            int inter, int inter_s, int hidden) {                                       \
+        moe_down<4, R, U, LANES>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);              \
+    }                                                                                                   \
+    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS)                                                  \
+        q8_moe_down##SUFFIX(QMat down, QMat sdown, const int* ids, const float* act, float* y, int pairs, \
+                            int inter, int inter_s, int hidden) {                                       \
+        moe_down<8, R, U, LANES>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);              \
     }
 GEMV_VARIANTS(MOE_KERNELS)
 
@@ -404,27 +418,44 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, con
 // comparing logits as the reference does), optionally renormalised over the chosen k. One warp
 // per token. Each (logit, id) is packed in a u64 that orders like the comparison (the logit's
 // bits made monotonic, then the complement of the id), so round j picks the largest key below
-// round j-1's: no marking of chosen experts, and no shared memory.
+// round j-1's: no marking of chosen experts, and no shared memory. A lane holds its experts'
+// keys in registers (ROUTE_KEYS per lane, 256 experts; more are read again each round).
+constexpr int ROUTE_KEYS = 8;
 
 extern "C" __global__ void moe_route(const float* logits, int* ids, float* weights, int experts, int top_k,
                                      int renormalize) { grid_dep();
     const int t = blockIdx.x, lane = threadIdx.x & 31;
     const float* l = logits + (size_t)t * experts;
+    float v[ROUTE_KEYS];
+    u64 key[ROUTE_KEYS];
     float m = NEG_INF;
-    for (int e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
+#pragma unroll
+    for (int i = 0; i < ROUTE_KEYS; ++i) {
+        const int e = lane + 32 * i;
+        v[i] = e < experts ? l[e] : NEG_INF;
+        key[i] = (e < experts && v[i] == v[i]) ? pack_max(v[i], e) : 0;
+        m = fmaxf(m, v[i]);
+    }
+    for (int e = lane + 32 * ROUTE_KEYS; e < experts; e += 32) m = fmaxf(m, l[e]);
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     float z = 0.f;
-    for (int e = lane; e < experts; e += 32) z += expf(l[e] - m);
+#pragma unroll
+    for (int i = 0; i < ROUTE_KEYS; ++i)
+        if (lane + 32 * i < experts) z += expf(v[i] - m);
+    for (int e = lane + 32 * ROUTE_KEYS; e < experts; e += 32) z += expf(l[e] - m);
     z = warp_sum(z);
     u64 prev = ~0ull;
     float total = 0.f;
     for (int j = 0; j < top_k; ++j) {
         u64 best = 0;
-        for (int e = lane; e < experts; e += 32) {
-            const float v = l[e];
-            if (v == v) {
-                const u64 key = pack_max(v, e);
-                if (key < prev && key > best) best = key;
+#pragma unroll
+        for (int i = 0; i < ROUTE_KEYS; ++i)
+            if (key[i] < prev && key[i] > best) best = key[i];
+        for (int e = lane + 32 * ROUTE_KEYS; e < experts; e += 32) {
+            const float x = l[e];
+            if (x == x) {
+                const u64 k = pack_max(x, e);
+                if (k < prev && k > best) best = k;
             }
         }
         for (int o = 16; o > 0; o >>= 1) {
