@@ -709,6 +709,65 @@ fn fused_projections_and_residual_norm_match() {
     }
 }
 
+#[test]
+fn router_product_with_its_routing_matches() {
+    let Some((cpu, gpu)) = backends_or_skip("router_product_with_its_routing_matches") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(31);
+    // (experts, top_k, hidden, bits, renormalise): one token routes in the router product's
+    // last block on CUDA; more tokens, or more experts than columns, take the two launches.
+    for (e, k, hidden, bits, renorm) in [
+        (256, 8, 2048, 8, true),
+        (8, 4, 192, 4, true),
+        (32, 8, 64, 8, false),
+        (256, 8, 64, 8, true),
+    ] {
+        let router = qweight(&mut rng, e, hidden, bits);
+        let gate = qweight(&mut rng, 1, hidden, bits);
+        for t in [1, 3] {
+            let x = randn(&mut rng, t * hidden, 1.0);
+            let (rc, gc) = cpu
+                .route_tokens(
+                    &up(&cpu, &x, t, hidden),
+                    &clone_q(&router),
+                    &clone_q(&gate),
+                    k,
+                    renorm,
+                )
+                .expect("route_tokens");
+            let (rg, gg) = gpu
+                .route_tokens(
+                    &up(&gpu, &x, t, hidden),
+                    &gpu.upload_qmatrix(clone_q(&router)).expect("router"),
+                    &gpu.upload_qmatrix(clone_q(&gate)).expect("gate"),
+                    k,
+                    renorm,
+                )
+                .expect("route_tokens");
+            let what = format!("E={e} k={k} hidden {hidden} q{bits} T={t}");
+            let ids: Vec<u32> = gpu
+                .download_buf(&rg.ids)
+                .expect("ids")
+                .iter()
+                .map(|&i| i as u32)
+                .collect();
+            assert_eq!(ids[..t * k], rc.ids[..], "routing ids {what}");
+            let weights = gpu.download_buf(&rg.weights).expect("weights");
+            close(
+                &format!("routing weights {what}"),
+                &weights[..t * k],
+                &rc.weights,
+            );
+            close(
+                &format!("shared gate logit {what}"),
+                &down(&gpu, &gg),
+                &down(&cpu, &gc),
+            );
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn moe_block_on<B: Backend>(
     b: &B,

@@ -8,7 +8,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::checkpoint::QWeight;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::state::DecodeState;
 
 /// Shape facts of one Gated DeltaNet layer that the ops need.
@@ -210,6 +210,19 @@ pub trait Backend: Send + Sync + 'static {
         top_k: usize,
         renormalize: bool,
     ) -> Result<Self::Routing>;
+    /// The router product and its routing, with the shared-expert gate's logit (both read
+    /// `h`): `route(h @ router^T)` and `h @ shared_gate^T`. A GPU may route in the product's
+    /// own launch.
+    fn route_tokens(
+        &self,
+        h: &Self::Tensor,
+        router: &Self::QMatrix,
+        shared_gate: &Self::QMatrix,
+        top_k: usize,
+        renormalize: bool,
+    ) -> Result<(Self::Routing, Self::Tensor)> {
+        route_tokens_separately(self, h, router, shared_gate, top_k, renormalize)
+    }
     /// `sum_j w_j * down_j(silu(gate_j x) * up_j x)` over each token's chosen experts; the
     /// three stacks hold `E` matrices each.
     fn moe_experts(
@@ -289,4 +302,21 @@ pub trait Backend: Send + Sync + 'static {
         let _ = token;
         forward(state)
     }
+}
+
+/// `Backend::route_tokens` as its parts: both products (one launch where the backend batches
+/// them), then `route`.
+pub fn route_tokens_separately<B: Backend + ?Sized>(
+    b: &B,
+    h: &B::Tensor,
+    router: &B::QMatrix,
+    shared_gate: &B::QMatrix,
+    top_k: usize,
+    renormalize: bool,
+) -> Result<(B::Routing, B::Tensor)> {
+    let [logits, shared_gate_logit]: [B::Tensor; 2] = b
+        .qmatmul_many(h, &[router, shared_gate])?
+        .try_into()
+        .map_err(|_| Error::Backend("qmatmul_many returned the wrong count".into()))?;
+    Ok((b.route(&logits, top_k, renormalize)?, shared_gate_logit))
 }

@@ -283,10 +283,13 @@ impl<B: Backend> Qwen35Moe<B> {
     }
 
     fn moe(&self, b: &B, w: &MoeWeights<B>, h: &B::Tensor) -> Result<B::Tensor> {
-        // The router and the shared-expert gate both read h (8-bit both: one launch).
-        let [router_logits, shared_gate_logit] =
-            two(b.qmatmul_many(h, &[&w.router, &w.shared_expert_gate])?)?;
-        let routing = b.route(&router_logits, self.cfg.top_k, self.cfg.norm_topk_prob)?;
+        let (routing, shared_gate_logit) = b.route_tokens(
+            h,
+            &w.router,
+            &w.shared_expert_gate,
+            self.cfg.top_k,
+            self.cfg.norm_topk_prob,
+        )?;
         b.moe_block(
             h,
             &routing,
@@ -295,11 +298,6 @@ impl<B: Backend> Qwen35Moe<B> {
             &shared_gate_logit,
         )
     }
-}
-
-fn two<T>(v: Vec<T>) -> Result<[T; 2]> {
-    v.try_into()
-        .map_err(|_| Error::Backend("qmatmul_many returned the wrong count".into()))
 }
 
 fn three<T>(v: Vec<T>) -> Result<[T; 3]> {

@@ -18,7 +18,7 @@ use cudarc::driver::{
 };
 
 use self::device::{CudaDevice, driver};
-use super::{AttnShape, Backend, GdnShape, KernelCost, ProfileMode};
+use super::{AttnShape, Backend, GdnShape, KernelCost, ProfileMode, route_tokens_separately};
 use crate::backend::cpu::reference::GDN_L2_EPS;
 use crate::checkpoint::QWeight;
 use crate::error::{Error, Result};
@@ -123,6 +123,8 @@ struct Kernels {
     /// `[bits]`: the matrix-vector product for matrices of many rows (a grid of two blocks per
     /// SM walking the rows).
     gemv_stream: [CudaFunction; 2],
+    /// `[bits]`: one token's router product with its top-k (`router_topk`).
+    router_topk: [CudaFunction; 2],
     /// Tensor-core products for prefill (kernels/qmma.cu).
     mma: [CudaFunction; 2],
     embed: [CudaFunction; 2],
@@ -227,6 +229,7 @@ impl Kernels {
             gemv: variants("gemv")?,
             gemv_batch: variants("gemv_batch")?,
             gemv_stream: pair("gemv_stream")?,
+            router_topk: pair("router_topk")?,
             mma: tc("mma")?,
             embed: pair("embed")?,
             moe_gate_up: variants("moe_gate_up")?,
@@ -295,6 +298,8 @@ pub struct CudaBackend {
     /// `[token, position]` of the decode step being recorded or replayed: recorded kernels read
     /// them from here, so one recording serves every step.
     params: CudaSlice<i32>,
+    /// The ticket counter of `router_topk` (zero between launches: the last block resets it).
+    route_done: CudaSlice<u32>,
     step: Mutex<StepState>,
     /// Set while a decode step is being recorded: temporaries come from the arena, and the
     /// position-dependent kernels read `params`.
@@ -546,6 +551,10 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<i32>(2)
             .map_err(driver("allocation"))?;
+        let route_done = dev
+            .stream
+            .alloc_zeros::<u32>(1)
+            .map_err(driver("allocation"))?;
         let sms = dev
             .ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -560,6 +569,7 @@ impl CudaBackend {
             k,
             sms,
             params,
+            route_done,
             step: Mutex::new(StepState::default()),
             capturing: AtomicBool::new(false),
             bucket: AtomicUsize::new(0),
@@ -1044,6 +1054,33 @@ impl CudaBackend {
             scales: self.ptr(&w.scales),
             biases: self.ptr(&w.biases),
         }
+    }
+
+    /// The `QBatch` of up to four matrices reading one token of `cols` columns, at
+    /// `rows_per_block` rows per block: the batch, its blocks, and the output rows it writes.
+    fn qbatch(
+        &self,
+        cols: usize,
+        ws: &[&CudaQMatrix],
+        rows_per_block: usize,
+    ) -> Result<(QBatch, i32, Vec<CudaTensor>)> {
+        let mut batch = QBatch::default();
+        let mut blocks = 0i32;
+        let mut outs = Vec::with_capacity(ws.len());
+        for (m, w) in ws.iter().enumerate() {
+            self.check_q(cols, w)?;
+            let out = self.tensor(1, w.rows)?;
+            batch.codes[m] = self.ptr(&w.codes);
+            batch.scales[m] = self.ptr(&w.scales);
+            batch.biases[m] = self.ptr(&w.biases);
+            batch.y[m] = self.ptr(&out.buf);
+            batch.rows[m] = w.rows as i32;
+            batch.first_block[m] = blocks;
+            blocks += w.rows.div_ceil(rows_per_block) as i32;
+            outs.push(out);
+        }
+        batch.first_block[ws.len()..].fill(blocks);
+        Ok((batch, blocks, outs))
     }
 
     /// The matrix-vector variant (`GEMV_SHAPES`) for products of `cols` columns at `bits` bits,
@@ -1539,23 +1576,10 @@ impl Backend for CudaBackend {
         for group in ws.chunk_by(|a, b| a.bits == b.bits) {
             for part in group.chunks(4) {
                 let b = self.check_q(x.cols, part[0])?;
-                let mut batch = QBatch::default();
-                let mut blocks = 0i32;
                 let shape =
                     self.gemv_variant(part.iter().map(|w| w.rows).sum(), x.cols, part[0].bits);
-                for (m, w) in part.iter().enumerate() {
-                    self.check_q(x.cols, w)?;
-                    let out = self.tensor(1, w.rows)?;
-                    batch.codes[m] = self.ptr(&w.codes);
-                    batch.scales[m] = self.ptr(&w.scales);
-                    batch.biases[m] = self.ptr(&w.biases);
-                    batch.y[m] = self.ptr(&out.buf);
-                    batch.rows[m] = w.rows as i32;
-                    batch.first_block[m] = blocks;
-                    blocks += w.rows.div_ceil(shape.rows_per_block) as i32;
-                    outs.push(out);
-                }
-                batch.first_block[part.len()..].fill(blocks);
+                let (batch, blocks, part_outs) = self.qbatch(x.cols, part, shape.rows_per_block)?;
+                outs.extend(part_outs);
                 if blocks > 0 {
                     launch!(
                         self,
@@ -2085,6 +2109,61 @@ impl Backend for CudaBackend {
             top_k,
             num_experts: e,
         })
+    }
+
+    fn route_tokens(
+        &self,
+        h: &CudaTensor,
+        router: &CudaQMatrix,
+        shared_gate: &CudaQMatrix,
+        top_k: usize,
+        renormalize: bool,
+    ) -> Result<(CudaRouting, CudaTensor)> {
+        let e = router.rows;
+        // One token: the routing runs in the product's last block (kernels/quant.cu,
+        // router_topk), which copies the logits into x's shared memory (e <= columns).
+        if h.rows != 1 || router.bits != shared_gate.bits || e > h.cols || top_k == 0 || top_k > e {
+            return route_tokens_separately(self, h, router, shared_gate, top_k, renormalize);
+        }
+        let b = self.check_q(h.cols, router)?;
+        let (batch, blocks, outs) = self.qbatch(
+            h.cols,
+            &[router, shared_gate],
+            GEMV_SHAPES[1].rows_per_block,
+        )?;
+        let [_logits, shared_gate_logit]: [CudaTensor; 2] = outs
+            .try_into()
+            .map_err(|_| Error::Backend("route_tokens: two products".into()))?;
+        let ids = self.tmp::<i32>(top_k)?;
+        let weights = self.tmp::<f32>(top_k)?;
+        launch!(
+            self,
+            self.k.router_topk[b],
+            cfg((blocks as u32, 1), 256, 4 * h.cols),
+            [
+                batch,
+                self.ptr(&h.buf),
+                h.cols as i32,
+                self.ptr(&ids),
+                self.ptr(&weights),
+                self.ptr(&self.route_done),
+                e as i32,
+                top_k as i32,
+                renormalize as i32
+            ],
+            bytes = qbytes(router.rows, router.cols, router.bits)
+                + qbytes(shared_gate.rows, shared_gate.cols, shared_gate.bits)
+        )?;
+        Ok((
+            CudaRouting {
+                ids,
+                weights,
+                tokens: 1,
+                top_k,
+                num_experts: e,
+            },
+            shared_gate_logit,
+        ))
     }
 
     fn moe_experts(

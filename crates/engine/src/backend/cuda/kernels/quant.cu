@@ -256,7 +256,7 @@ __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __rest
     pdl_wait();
     stage_x<BITS>(xs, x, cols);
     __syncthreads();
-    if (warp_idle<R, LANES>(warp, rows)) return;
+    if (warp_idle<R, LANES>(warp, rows)) return;  // from this function: router_topk's tail still runs
     float acc[R] = {};
     mat.run(xs, acc);
 #pragma unroll
@@ -414,18 +414,17 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, con
     out[i] = acc;
 }
 
-// Softmax over each token's router logits, then the top k (ties to the lowest expert id,
-// comparing logits as the reference does), optionally renormalised over the chosen k. One warp
-// per token. Each (logit, id) is packed in a u64 that orders like the comparison (the logit's
-// bits made monotonic, then the complement of the id), so round j picks the largest key below
-// round j-1's: no marking of chosen experts, and no shared memory. A lane holds its experts'
-// keys in registers (ROUTE_KEYS per lane, 256 experts; more are read again each round).
+// Softmax over one token's router logits l[experts], then the top k (ties to the lowest expert
+// id, comparing logits as the reference does), optionally renormalised over the chosen k; run by
+// one warp, lane 0 writing ids[j] and weights[j]. Each (logit, id) is packed in a u64 that orders
+// like the comparison (the logit's bits made monotonic, then the complement of the id), so round
+// j picks the largest key below round j-1's: no marking of chosen experts. A lane holds its
+// experts' keys in registers (ROUTE_KEYS per lane, 256 experts; more are read again each round).
 constexpr int ROUTE_KEYS = 8;
 
-extern "C" __global__ void moe_route(const float* logits, int* ids, float* weights, int experts, int top_k,
-                                     int renormalize) { grid_dep();
-    const int t = blockIdx.x, lane = threadIdx.x & 31;
-    const float* l = logits + (size_t)t * experts;
+__device__ __forceinline__ void route_token(const float* l, int experts, int top_k, int renormalize, int* ids,
+                                            float* weights) {
+    const int lane = threadIdx.x & 31;
     float v[ROUTE_KEYS];
     u64 key[ROUTE_KEYS];
     float m = NEG_INF;
@@ -467,10 +466,59 @@ extern "C" __global__ void moe_route(const float* logits, int* ids, float* weigh
         const float p = expf(l[id] - m) / z;
         total += p;
         if (lane == 0) {
-            ids[t * top_k + j] = id;
-            weights[t * top_k + j] = p;
+            ids[j] = id;
+            weights[j] = p;
         }
     }
     if (lane == 0 && renormalize)
-        for (int j = 0; j < top_k; ++j) weights[t * top_k + j] /= total;
+        for (int j = 0; j < top_k; ++j) weights[j] /= total;
+}
+
+// The routing of each token: one warp per token.
+extern "C" __global__ void moe_route(const float* logits, int* ids, float* weights, int experts, int top_k,
+                                     int renormalize) {
+    grid_dep();
+    const size_t t = blockIdx.x;
+    route_token(logits + t * experts, experts, top_k, renormalize, ids + t * top_k, weights + t * top_k);
+}
+
+// A load from L2, past this SM's L1 (which may hold an older copy of a buffer another SM wrote).
+__device__ __forceinline__ float load_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// One token's router product and its routing in one launch: qgemv_batch over the router (matrix
+// 0, `experts` rows) and the shared-expert gate, one row per warp; then the block that finishes
+// last (a ticket from `done`, which it sets back to 0) copies the logits into shared memory and
+// routes them (route_token), so the expert kernels wait on one launch instead of two. Launch as
+// qgemv_batch's r1 variant; experts <= cols (the logits reuse x's shared memory).
+template <int BITS>
+__device__ __forceinline__ void router_topk(const QBatch& b, const float* x, int cols, int* ids, float* weights,
+                                            u32* done, int experts, int top_k, int renormalize) {
+    extern __shared__ float xs[];
+    __shared__ u32 ticket;
+    qgemv_batch<BITS, 1, 4, 32>(b, x, cols);
+    // Every thread's logit stores are visible device-wide before the block takes its ticket.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(done, 1u);
+    __syncthreads();
+    if (ticket != gridDim.x - 1) return;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) xs[e] = load_cg(b.y[0] + e);
+    __syncthreads();
+    if (threadIdx.x < 32) route_token(xs, experts, top_k, renormalize, ids, weights);
+    if (threadIdx.x == 0) *done = 0;
+}
+
+extern "C" __global__ void GEMV_BOUNDS(3) q4_router_topk(QBatch b, const float* x, int cols, int* ids,
+                                                       float* weights, u32* done, int experts, int top_k,
+                                                       int renormalize) {
+    router_topk<4>(b, x, cols, ids, weights, done, experts, top_k, renormalize);
+}
+extern "C" __global__ void GEMV_BOUNDS(3) q8_router_topk(QBatch b, const float* x, int cols, int* ids,
+                                                       float* weights, u32* done, int experts, int top_k,
+                                                       int renormalize) {
+    router_topk<8>(b, x, cols, ids, weights, done, experts, top_k, renormalize);
 }
