@@ -1514,39 +1514,37 @@ impl Backend for CudaBackend {
         }
         // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
         // run on the tensor cores, each 128-row tile of codes serving 64 tokens.
-        if x.rows < MMA_MIN_TOKENS && w.rows.div_ceil(32) >= STREAM_MIN_BLOCKS_PER_SM * self.sms {
-            launch!(
-                self,
-                self.k.gemv_stream[b],
-                cfg(((2 * self.sms) as u32, x.rows as u32), 256, 4 * w.cols),
-                [
-                    self.qarg(w),
-                    self.ptr(&x.buf),
-                    self.ptr(&out.buf),
-                    w.rows as i32,
-                    w.cols as i32
-                ],
-                bytes = x.rows as u64 * qbytes(w.rows, w.cols, w.bits)
-            )?;
-        } else if x.rows < MMA_MIN_TOKENS {
-            let shape = self.gemv_variant(w.rows * x.rows, w.cols, w.bits);
-            launch!(
-                self,
-                self.k.gemv[b][shape.variant],
-                cfg(
-                    (w.rows.div_ceil(shape.rows_per_block) as u32, x.rows as u32),
-                    256,
-                    4 * w.cols
-                ),
-                [
-                    self.qarg(w),
-                    self.ptr(&x.buf),
-                    self.ptr(&out.buf),
-                    w.rows as i32,
-                    w.cols as i32
-                ],
-                bytes = x.rows as u64 * qbytes(w.rows, w.cols, w.bits)
-            )?;
+        if x.rows < MMA_MIN_TOKENS {
+            // Matrices of many rows (the lm_head) on two blocks per SM walking the rows, the
+            // others one pass of the variant's blocks.
+            let (f, label, blocks) = if w.rows.div_ceil(32) >= STREAM_MIN_BLOCKS_PER_SM * self.sms {
+                (&self.k.gemv_stream[b], "gemv_stream[b]", 2 * self.sms)
+            } else {
+                let shape = self.gemv_variant(w.rows * x.rows, w.cols, w.bits);
+                (
+                    &self.k.gemv[b][shape.variant],
+                    "gemv[b][variant]",
+                    w.rows.div_ceil(shape.rows_per_block),
+                )
+            };
+            let args: [&dyn KernelArg; 5] = [
+                &self.qarg(w),
+                &self.ptr(&x.buf),
+                &self.ptr(&out.buf),
+                &(w.rows as i32),
+                &(w.cols as i32),
+            ];
+            // SAFETY: both kernels take (QMat w, const float* x, float* y, int rows, int cols),
+            // one token per blockIdx.y, and cols * 4 bytes of shared memory (kernels/quant.cu).
+            unsafe {
+                self.launch(
+                    f,
+                    label,
+                    cfg((blocks as u32, x.rows as u32), 256, 4 * w.cols),
+                    &args,
+                    x.rows as u64 * qbytes(w.rows, w.cols, w.bits),
+                )
+            }?;
         } else {
             let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
             self.qmma(&split, w, &out)?;
