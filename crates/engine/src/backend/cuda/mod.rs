@@ -782,12 +782,15 @@ impl CudaBackend {
             let act = self.tmp::<f32>(all * stride)?;
             // A decode step's 9 expert products at four rows per warp fill about one block per
             // SM; at one row per warp, four times as many blocks keep more loads in flight.
-            let shape = self.gemv_variant(stride * all, hidden, gate.bits);
+            let GemvShape {
+                variant,
+                rows_per_block,
+            } = self.gemv_variant(stride * all, hidden, gate.bits);
             launch!(
                 self,
-                self.k.moe_gate_up[b][shape.variant],
+                self.k.moe_gate_up[b][variant],
                 cfg(
-                    (stride.div_ceil(shape.rows_per_block) as u32, all as u32),
+                    (stride.div_ceil(rows_per_block) as u32, all as u32),
                     256,
                     4 * hidden
                 ),
@@ -809,12 +812,15 @@ impl CudaBackend {
                     * (pairs as u64 * qbytes(inter, hidden, gate.bits)
                         + shared_bytes(inter_s, hidden))
             )?;
-            let shape = self.gemv_variant(hidden * all, stride, down.bits);
+            let GemvShape {
+                variant,
+                rows_per_block,
+            } = self.gemv_variant(hidden * all, stride, down.bits);
             launch!(
                 self,
-                self.k.moe_down[b][shape.variant],
+                self.k.moe_down[b][variant],
                 cfg(
-                    (hidden.div_ceil(shape.rows_per_block) as u32, all as u32),
+                    (hidden.div_ceil(rows_per_block) as u32, all as u32),
                     256,
                     4 * stride
                 ),
@@ -1574,14 +1580,16 @@ impl Backend for CudaBackend {
         for group in ws.chunk_by(|a, b| a.bits == b.bits) {
             for part in group.chunks(4) {
                 let b = self.check_q(x.cols, part[0])?;
-                let shape =
-                    self.gemv_variant(part.iter().map(|w| w.rows).sum(), x.cols, part[0].bits);
-                let (batch, blocks, part_outs) = self.qbatch(x.cols, part, shape.rows_per_block)?;
+                let GemvShape {
+                    variant,
+                    rows_per_block,
+                } = self.gemv_variant(part.iter().map(|w| w.rows).sum(), x.cols, part[0].bits);
+                let (batch, blocks, part_outs) = self.qbatch(x.cols, part, rows_per_block)?;
                 outs.extend(part_outs);
                 if blocks > 0 {
                     launch!(
                         self,
-                        self.k.gemv_batch[b][shape.variant],
+                        self.k.gemv_batch[b][variant],
                         cfg((blocks as u32, 1), 256, 4 * x.cols),
                         [batch, self.ptr(&x.buf), x.cols as i32],
                         bytes = part
