@@ -172,11 +172,7 @@ impl Kernels {
                 dev.function("qmma", &format!("q8_{name}"))?,
             ];
             for func in &pair {
-                func.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    TC_SMEM_BYTES as i32,
-                )
-                .map_err(driver("opting in to shared memory"))?;
+                allow_dynamic_smem(func, TC_SMEM_BYTES)?;
             }
             Ok(pair)
         };
@@ -188,37 +184,21 @@ impl Kernels {
             ])
         };
         let pair = |name: &str| pair_in("quant", name);
-        let attention_partial = [2, 4, 8, 16]
-            .map(|nd| f("attention", &format!("attention_partial_d{nd}")))
-            .into_iter()
-            .collect::<Result<Vec<_>>>()?;
-        // Above 48 KiB a kernel must opt in; the largest size this device accepts is kept, and
-        // a launch needing more is refused (`attention`).
-        let attention_partial_smem: Vec<usize> = attention_partial
-            .iter()
-            .zip([64, 128, 256, 512])
-            .map(|(func, d)| {
-                [32, 16, 8, 4, 2, 1]
-                    .map(|group| attn_decode_smem_bytes(d, group))
-                    .into_iter()
-                    .find(|&bytes| {
-                        bytes <= SMEM_LIMIT
-                            || func
-                                .set_attribute(
-                                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                    bytes as i32,
-                                )
-                                .is_ok()
-                    })
-                    .unwrap_or(0)
-            })
-            .collect();
-        let attention_partial: [CudaFunction; 4] = attention_partial
-            .try_into()
-            .map_err(|_| Error::Backend("attention kernels".into()))?;
-        let attention_partial_smem: [usize; 4] = attention_partial_smem
-            .try_into()
-            .map_err(|_| Error::Backend("attention kernels".into()))?;
+        let attention_partial = [
+            f("attention", "attention_partial_d2")?,
+            f("attention", "attention_partial_d4")?,
+            f("attention", "attention_partial_d8")?,
+            f("attention", "attention_partial_d16")?,
+        ];
+        // The largest query group's shared memory this device accepts for each head dim (64 <<
+        // variant); a launch needing more is refused (`attention`).
+        let attention_partial_smem: [usize; 4] = std::array::from_fn(|variant| {
+            [32, 16, 8, 4, 2, 1]
+                .map(|group| attn_decode_smem_bytes(64 << variant, group))
+                .into_iter()
+                .find(|&bytes| allow_dynamic_smem(&attention_partial[variant], bytes).is_ok())
+                .unwrap_or(0)
+        });
         let variants = |name: &str| -> Result<[[CudaFunction; 3]; 2]> {
             let [a4, a8] = pair(name)?;
             let [b4, b8] = pair(&format!("{name}_r1"))?;
@@ -263,16 +243,24 @@ impl Kernels {
             kv_split: f("attention", "kv_split")?,
             attention_prefill: [64, 128, 256].map(|d| {
                 let func = f("attention", &format!("attention_prefill_d{d}")).ok()?;
-                // Above 48 KiB a kernel must opt in to its dynamic shared memory.
-                func.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    fa_smem_bytes(d) as i32,
-                )
-                .ok()?;
+                allow_dynamic_smem(&func, fa_smem_bytes(d)).ok()?;
                 Some(func)
             }),
         })
     }
+}
+
+/// Lets `func` take `bytes` of dynamic shared memory: above 48 KiB a kernel must opt in, which
+/// fails where the device gives a block less.
+fn allow_dynamic_smem(func: &CudaFunction, bytes: usize) -> Result<()> {
+    if bytes <= SMEM_LIMIT {
+        return Ok(());
+    }
+    func.set_attribute(
+        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        bytes as i32,
+    )
+    .map_err(driver("opting in to shared memory"))
 }
 
 /// Dynamic shared memory of the flash-attention prefill kernel for head dim `d`
@@ -1523,7 +1511,9 @@ impl Backend for CudaBackend {
         if x.rows < MMA_MIN_TOKENS {
             // Matrices of many rows (the lm_head) on two blocks per SM walking the rows, the
             // others one pass of the variant's blocks.
-            let (f, label, blocks) = if w.rows.div_ceil(32) >= STREAM_MIN_BLOCKS_PER_SM * self.sms {
+            let (f, label, blocks) = if w.rows.div_ceil(GEMV_SHAPES[0].rows_per_block)
+                >= STREAM_MIN_BLOCKS_PER_SM * self.sms
+            {
                 (&self.k.gemv_stream[b], "gemv_stream[b]", 2 * self.sms)
             } else {
                 let shape = self.gemv_variant(w.rows * x.rows, w.cols, w.bits);
