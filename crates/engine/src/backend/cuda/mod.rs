@@ -605,7 +605,11 @@ impl CudaBackend {
         };
         // SAFETY: the caller vouches for the argument list; `params` points at values that
         // live until this call returns, which is all a launch needs.
-        unsafe { self.launch_raw(f.cu_function(), &cfg, &mut params[..args.len()]) }?;
+        // Programmatic dependent launch only for the recorded decode step: it is worth 11% of
+        // decode there, and costs prefill's large kernels 5-7% (early-launched dependents
+        // waiting on SMs; docs/performance.md, run9).
+        let pdl = self.pdl && self.recording();
+        unsafe { self.launch_raw(f.cu_function(), &cfg, &mut params[..args.len()], pdl) }?;
         if tracing
             && let Ok(mut t) = self.trace.lock()
             && let Some(t) = t.as_mut()
@@ -655,7 +659,8 @@ impl CudaBackend {
                 .map(|a| a.as_ptr() as *mut std::ffi::c_void)
                 .collect();
             // SAFETY: the same function, grid and argument bytes that ran in the traced step.
-            launched = unsafe { self.launch_raw(t.function, &t.cfg, &mut params) };
+            // As in the recorded step (the profile replays decode launches).
+            launched = unsafe { self.launch_raw(t.function, &t.cfg, &mut params, self.pdl) };
             if launched.is_err() {
                 break;
             }
@@ -1093,9 +1098,9 @@ impl CudaBackend {
         GEMV_SHAPES[variant]
     }
 
-    /// cuLaunchKernelEx, with programmatic dependent launch where the GPU has it (every kernel
-    /// begins with `grid_dep()`, kernels/*.cu), so that a kernel's launch overlaps the tail of
-    /// the one before it.
+    /// cuLaunchKernelEx, with programmatic dependent launch if `pdl` (and the GPU has it:
+    /// kernels wait with `pdl_wait`, kernels/common.cuh), so that a kernel's launch and its
+    /// weight loads overlap the tail of the one before it.
     ///
     /// # Safety
     /// `params` must match the kernel's parameter list.
@@ -1104,6 +1109,7 @@ impl CudaBackend {
         function: sys::CUfunction,
         cfg: &LaunchConfig,
         params: &mut [*mut std::ffi::c_void],
+        pdl: bool,
     ) -> Result<()> {
         // SAFETY: an all-zero attribute is a valid "ignored" value; the id and value are set.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -1119,7 +1125,7 @@ impl CudaBackend {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(self.pdl),
+            numAttrs: u32::from(pdl),
         };
         // SAFETY: `config` and `attr` outlive the call; the caller vouches for `params`.
         unsafe {
