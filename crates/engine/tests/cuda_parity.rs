@@ -11,7 +11,7 @@ use engine::backend::cpu::CpuBackend;
 use engine::backend::cpu::reference as r;
 use engine::backend::cuda::CudaBackend;
 use engine::backend::cuda::device::CudaDevice;
-use engine::backend::{AttnShape, Backend, GdnShape};
+use engine::backend::{AttnShape, Backend, GdnShape, attn_prep_separately};
 use engine::checkpoint::QWeight;
 use half::bf16;
 use rand::rngs::StdRng;
@@ -434,36 +434,51 @@ const ATTN: AttnShape = AttnShape {
     rope_theta: 1e7,
 };
 
-/// q/k norms, RoPE, cache append and attention over chunks of `lens` tokens.
+/// q/k norms, RoPE, cache append and attention (plain and gated) over chunks of (q|gate, k, v):
+/// even chunks prepared by `attn_prep` (one launch on the GPU), odd ones by the separate ops,
+/// into the same cache.
 fn attention_on<B: Backend>(
     b: &B,
     sh: &AttnShape,
+    norms: &[Vec<f32>; 2],
     chunks: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
 ) -> Vec<Vec<f32>> {
     let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
-    let total: usize = chunks.iter().map(|c| c.0.len() / (h * d)).sum();
+    let total: usize = chunks.iter().map(|c| c.0.len() / (2 * h * d)).sum();
     let mut cache = b.new_kv_cache(sh, total + 3).expect("cache");
+    let [qn, kn] = [0, 1].map(|i| b.upload_vector(&norms[i]).expect("norm"));
     let mut pos = 0;
     let mut outs = Vec::new();
-    for (q, k, v) in chunks {
-        let t = q.len() / (h * d);
-        let mut qt = up(b, q, t, h * d);
-        let mut kt = up(b, k, t, kvh * d);
-        b.rope(&mut qt, sh, pos).expect("rope q");
-        b.rope(&mut kt, sh, pos).expect("rope k");
-        outs.push(down(b, &qt));
-        b.kv_append(&mut cache, &kt, &up(b, v, t, kvh * d), pos)
-            .expect("append");
+    for (i, (qg, k, v)) in chunks.iter().enumerate() {
+        let t = qg.len() / (2 * h * d);
+        let (qg, k, v) = (
+            up(b, qg, t, 2 * h * d),
+            up(b, k, t, kvh * d),
+            up(b, v, t, kvh * d),
+        );
+        let (q, gate) = if i % 2 == 0 {
+            b.attn_prep(&qg, &k, &v, [&qn, &kn], &mut cache, sh, pos, 1e-6)
+                .expect("attn_prep")
+        } else {
+            attn_prep_separately(b, &qg, &k, &v, [&qn, &kn], &mut cache, sh, pos, 1e-6)
+                .expect("separate ops")
+        };
+        outs.push(down(b, &q));
+        outs.push(down(b, &gate));
         outs.push(down(
             b,
-            &b.attention(&qt, &cache, sh, pos).expect("attention"),
+            &b.attention(&q, &cache, sh, pos).expect("attention"),
+        ));
+        outs.push(down(
+            b,
+            &b.attention_gated(&q, &gate, &cache, sh, pos)
+                .expect("gated attention"),
         ));
         pos += t;
     }
     // A snapshot continues like the original.
     let snap = b.clone_kv_cache(&cache, pos, total + 3).expect("clone");
-    let (q, _, _) = &chunks[0];
-    let q1 = up(b, &q[..h * d], 1, h * d);
+    let q1 = up(b, &outs[0][..h * d], 1, h * d);
     outs.push(down(
         b,
         &b.attention(&q1, &snap, sh, pos - 1)
@@ -501,14 +516,15 @@ fn attention_matches_at_short_and_long_contexts() {
             .iter()
             .map(|&t| {
                 (
-                    randn(&mut rng, t * h * d, 1.0),
+                    randn(&mut rng, t * 2 * h * d, 1.0),
                     randn(&mut rng, t * kvh * d, 1.0),
                     randn(&mut rng, t * kvh * d, 1.0),
                 )
             })
             .collect();
-        let g = attention_on(&gpu, &sh, &chunks);
-        let c = attention_on(&cpu, &sh, &chunks);
+        let norms = [randn(&mut rng, d, 0.5), randn(&mut rng, d, 0.5)];
+        let g = attention_on(&gpu, &sh, &norms, &chunks);
+        let c = attention_on(&cpu, &sh, &norms, &chunks);
         for (i, (a, b)) in g.iter().zip(&c).enumerate() {
             close(&format!("attention (H {h}, D {d}) output {i}"), a, b);
         }
@@ -710,6 +726,43 @@ fn fused_projections_and_residual_norm_match() {
 }
 
 #[test]
+fn routing_breaks_ties_to_the_lowest_id() {
+    let Some((cpu, gpu)) = backends_or_skip("routing_breaks_ties_to_the_lowest_id") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(33);
+    for (e, k) in [(256, 8), (512, 10), (40, 32), (8, 8)] {
+        // Logits from four values: most of the top k are ties.
+        let t = 4;
+        let logits: Vec<f32> = (0..t * e)
+            .map(|_| rng.random_range(0..4) as f32 * 0.5)
+            .collect();
+        let rc = cpu.route(&up(&cpu, &logits, t, e), k, true).expect("cpu");
+        let rg = gpu.route(&up(&gpu, &logits, t, e), k, true).expect("gpu");
+        let ids: Vec<u32> = gpu
+            .download_buf(&rg.ids)
+            .expect("ids")
+            .iter()
+            .map(|&i| i as u32)
+            .collect();
+        assert_eq!(ids[..t * k], rc.ids[..], "tied routing ids E={e} k={k}");
+        let weights = gpu.download_buf(&rg.weights).expect("weights");
+        close(
+            &format!("tied routing weights E={e} k={k}"),
+            &weights[..t * k],
+            &rc.weights,
+        );
+    }
+    // Past what the kernel holds: a clear error, not a wrong answer.
+    let logits = vec![0.0f32; 600];
+    let err = gpu
+        .route(&up(&gpu, &logits, 1, 600), 8, true)
+        .err()
+        .expect("600 experts are refused");
+    assert!(err.to_string().contains("600 experts"), "{err}");
+}
+
+#[test]
 fn router_product_with_its_routing_matches() {
     let Some((cpu, gpu)) = backends_or_skip("router_product_with_its_routing_matches") else {
         return;
@@ -722,6 +775,9 @@ fn router_product_with_its_routing_matches() {
         (8, 4, 192, 4, true),
         (32, 8, 64, 8, false),
         (256, 8, 64, 8, true),
+        // qwen4_exp's 512 experts, top 10; and a count between the kernel's two key widths.
+        (512, 10, 2048, 8, true),
+        (300, 10, 512, 8, false),
     ] {
         let router = qweight(&mut rng, e, hidden, bits);
         let gate = qweight(&mut rng, 1, hidden, bits);
@@ -768,32 +824,46 @@ fn router_product_with_its_routing_matches() {
     }
 }
 
+/// The MoE block's output, and (with a residual and norm gains) the fused residual add and norm:
+/// [moe, x + moe, rmsnorm(x + moe) * g].
 #[allow(clippy::too_many_arguments)]
 fn moe_block_on<B: Backend>(
     b: &B,
     logits: &[f32],
     x: &[f32],
     gl: &[f32],
+    (resid, gains): (&[f32], &[f32]),
     w: &[QWeight; 6],
     t: usize,
     e: usize,
     k: usize,
-) -> Vec<f32> {
+) -> [Vec<f32>; 3] {
     let rt = b.route(&up(b, logits, t, e), k, true).expect("route");
     let q: Vec<_> = w
         .iter()
         .map(|q| b.upload_qmatrix(clone_q(q)).expect("w"))
         .collect();
+    let hidden = w[0].cols;
+    let (h, gl) = (up(b, x, t, hidden), up(b, gl, t, 1));
+    let experts = [&q[0], &q[1], &q[2]];
+    let shared = [&q[3], &q[4], &q[5]];
     let out = b
-        .moe_block(
-            &up(b, x, t, w[0].cols),
-            &rt,
-            [&q[0], &q[1], &q[2]],
-            [&q[3], &q[4], &q[5]],
-            &up(b, gl, t, 1),
-        )
+        .moe_block(&h, &rt, experts, shared, &gl)
         .expect("moe_block");
-    down(b, &out)
+    let mut residual = up(b, resid, t, hidden);
+    let normed = b
+        .moe_block_add_rms_norm(
+            &mut residual,
+            &h,
+            &rt,
+            experts,
+            shared,
+            &gl,
+            &b.upload_vector(gains).expect("gains"),
+            1e-6,
+        )
+        .expect("moe_block_add_rms_norm");
+    [down(b, &out), down(b, &residual), down(b, &normed)]
 }
 
 #[test]
@@ -817,11 +887,21 @@ fn moe_block_with_the_shared_expert_matches() {
             let logits = randn(&mut rng, t * e, 3.0);
             let x = randn(&mut rng, t * hidden, 1.0);
             let gl = randn(&mut rng, t, 3.0);
-            close(
-                &format!("moe_block E={e} k={k} inter {inter} shared {inter_s} T={t}"),
-                &moe_block_on(&gpu, &logits, &x, &gl, &w, t, e, k),
-                &moe_block_on(&cpu, &logits, &x, &gl, &w, t, e, k),
-            );
+            let resid = randn(&mut rng, t * hidden, 1.0);
+            let gains = randn(&mut rng, hidden, 1.0);
+            let norm = (&resid[..], &gains[..]);
+            let g = moe_block_on(&gpu, &logits, &x, &gl, norm, &w, t, e, k);
+            let c = moe_block_on(&cpu, &logits, &x, &gl, norm, &w, t, e, k);
+            for (part, (g, c)) in ["moe_block", "+ residual", "+ residual, normed"]
+                .iter()
+                .zip(g.iter().zip(&c))
+            {
+                close(
+                    &format!("{part} E={e} k={k} inter {inter} shared {inter_s} T={t}"),
+                    g,
+                    c,
+                );
+            }
         }
     }
 }

@@ -190,6 +190,23 @@ pub trait Backend: Send + Sync + 'static {
         v: &Self::Tensor,
         pos0: usize,
     ) -> Result<()>;
+    /// The attention layer's inputs from its projections: q and gate split from `q_gate`
+    /// (`split_q_gate`), q and k normed per head by `norms` = [q_norm, k_norm] and rotated, k and
+    /// v appended to the cache at `pos0`. Returns (q, gate). A GPU may do it in one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_prep(
+        &self,
+        q_gate: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        norms: [&Self::Vector; 2],
+        cache: &mut Self::KvCache,
+        shape: &AttnShape,
+        pos0: usize,
+        eps: f32,
+    ) -> Result<(Self::Tensor, Self::Tensor)> {
+        attn_prep_separately(self, q_gate, k, v, norms, cache, shape, pos0, eps)
+    }
     /// Causal grouped-query attention of q rows at positions `pos0..pos0+T` over the cache.
     fn attention(
         &self,
@@ -198,6 +215,18 @@ pub trait Backend: Send + Sync + 'static {
         shape: &AttnShape,
         pos0: usize,
     ) -> Result<Self::Tensor>;
+    /// `attention(q) * sigmoid(gate)`: the attention layer's gated output. A GPU may apply the
+    /// gate in the attention's own launches.
+    fn attention_gated(
+        &self,
+        q: &Self::Tensor,
+        gate: &Self::Tensor,
+        cache: &Self::KvCache,
+        shape: &AttnShape,
+        pos0: usize,
+    ) -> Result<Self::Tensor> {
+        self.sigmoid_mul(&self.attention(q, cache, shape, pos0)?, gate)
+    }
     /// `x * sigmoid(gate)`, elementwise.
     fn sigmoid_mul(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Result<Self::Tensor>;
 
@@ -253,6 +282,23 @@ pub trait Backend: Send + Sync + 'static {
         self.add_sigmoid_gated(&mut out, &y, shared_gate_logit)?;
         Ok(out)
     }
+    /// `moe_block` with the residual add and the next norm: `x += moe_block(h, ...)`, then
+    /// `rmsnorm(x) * w`. A GPU may mix the experts' outputs in the norm's launch.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_block_add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        h: &Self::Tensor,
+        routing: &Self::Routing,
+        experts: [&Self::QMatrix; 3],
+        shared: [&Self::QMatrix; 3],
+        shared_gate_logit: &Self::Tensor,
+        w: &Self::Vector,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        let moe = self.moe_block(h, routing, experts, shared, shared_gate_logit)?;
+        self.add_rms_norm(x, &moe, w, eps)
+    }
     /// `out += sigmoid(gate_logit) * y`, one gate logit per row (`gate_logit` is `[T, 1]`).
     fn add_sigmoid_gated(
         &self,
@@ -302,6 +348,28 @@ pub trait Backend: Send + Sync + 'static {
         let _ = token;
         forward(state)
     }
+}
+
+/// `Backend::attn_prep` as its parts: the split, the two head norms, RoPE on q and k, the append.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_prep_separately<B: Backend + ?Sized>(
+    b: &B,
+    q_gate: &B::Tensor,
+    k: &B::Tensor,
+    v: &B::Tensor,
+    [q_norm, k_norm]: [&B::Vector; 2],
+    cache: &mut B::KvCache,
+    sh: &AttnShape,
+    pos0: usize,
+    eps: f32,
+) -> Result<(B::Tensor, B::Tensor)> {
+    let (q, gate) = b.split_q_gate(q_gate, sh.heads, sh.head_dim)?;
+    let mut q = b.head_rms_norm(&q, q_norm, sh.head_dim, eps)?;
+    let mut k = b.head_rms_norm(k, k_norm, sh.head_dim, eps)?;
+    b.rope(&mut q, sh, pos0)?;
+    b.rope(&mut k, sh, pos0)?;
+    b.kv_append(cache, &k, v, pos0)?;
+    Ok((q, gate))
 }
 
 /// `Backend::route_tokens` as its parts: both products (one launch where the backend batches

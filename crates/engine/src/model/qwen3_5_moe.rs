@@ -226,12 +226,12 @@ impl<B: Backend> Qwen35Moe<B> {
                 }
             };
             let h_post = b.add_rms_norm(&mut x, &mixed, &layer.post_norm, eps)?;
-            let moe = self.moe(b, &layer.moe, &h_post)?;
             let next_norm = self
                 .layers
                 .get(i + 1)
                 .map_or(&self.final_norm, |l| &l.input_norm);
-            h = b.add_rms_norm(&mut x, &moe, next_norm, eps)?;
+            // x += moe(h_post); h = rmsnorm(x) * next_norm
+            h = self.moe_add_rms_norm(b, &layer.moe, &h_post, &mut x, next_norm)?;
         }
         state.pos += tokens.len();
         let h = match want {
@@ -271,18 +271,22 @@ impl<B: Backend> Qwen35Moe<B> {
         let sh = &self.attn_shape;
         let eps = self.cfg.rms_norm_eps;
         let [q_gate, k, v] = three(b.qmatmul_many(h, &[&w.q_proj, &w.k_proj, &w.v_proj])?)?;
-        let (q, gate) = b.split_q_gate(&q_gate, sh.heads, sh.head_dim)?;
-        let mut q = b.head_rms_norm(&q, &w.q_norm, sh.head_dim, eps)?;
-        let mut k = b.head_rms_norm(&k, &w.k_norm, sh.head_dim, eps)?;
-        b.rope(&mut q, sh, pos)?;
-        b.rope(&mut k, sh, pos)?;
-        b.kv_append(cache, &k, &v, pos)?;
-        let o = b.attention(&q, cache, sh, pos)?;
-        let o = b.sigmoid_mul(&o, &gate)?;
+        // q, k = rope(head_rms_norm(q)), rope(head_rms_norm(k)); k and v appended to the cache.
+        let (q, gate) =
+            b.attn_prep(&q_gate, &k, &v, [&w.q_norm, &w.k_norm], cache, sh, pos, eps)?;
+        let o = b.attention_gated(&q, &gate, cache, sh, pos)?;
         b.qmatmul(&o, &w.o_proj)
     }
 
-    fn moe(&self, b: &B, w: &MoeWeights<B>, h: &B::Tensor) -> Result<B::Tensor> {
+    /// The MoE block on `h` added to the residual `x`, and the next norm (gains `norm`) of it.
+    fn moe_add_rms_norm(
+        &self,
+        b: &B,
+        w: &MoeWeights<B>,
+        h: &B::Tensor,
+        x: &mut B::Tensor,
+        norm: &B::Vector,
+    ) -> Result<B::Tensor> {
         let (routing, shared_gate_logit) = b.route_tokens(
             h,
             &w.router,
@@ -290,12 +294,15 @@ impl<B: Backend> Qwen35Moe<B> {
             self.cfg.top_k,
             self.cfg.norm_topk_prob,
         )?;
-        b.moe_block(
+        b.moe_block_add_rms_norm(
+            x,
             h,
             &routing,
             [&w.gate_exps, &w.up_exps, &w.down_exps],
             [&w.shared_gate, &w.shared_up, &w.shared_down],
             &shared_gate_logit,
+            norm,
+            self.cfg.rms_norm_eps,
         )
     }
 }

@@ -137,6 +137,7 @@ struct Kernels {
     moe_gate_up_mma: [CudaFunction; 2],
     moe_down_mma: [CudaFunction; 2],
     moe_combine: CudaFunction,
+    moe_combine_add_rms_norm: CudaFunction,
     moe_route: CudaFunction,
     rms_norm: CudaFunction,
     add_rms_norm: CudaFunction,
@@ -151,6 +152,7 @@ struct Kernels {
     gdn_recurrence: [CudaFunction; 3],
     rope: CudaFunction,
     kv_write: CudaFunction,
+    attn_prep: CudaFunction,
     /// Head dims 64, 128, 256, 512.
     attention_partial: [CudaFunction; 4],
     /// The dynamic shared memory each `attention_partial` kernel was allowed (opted in to the
@@ -220,6 +222,7 @@ impl Kernels {
             moe_gate_up_mma: tc("moe_gate_up_mma")?,
             moe_down_mma: tc("moe_down_mma")?,
             moe_combine: f("quant", "moe_combine")?,
+            moe_combine_add_rms_norm: f("pointwise", "moe_combine_add_rms_norm")?,
             moe_route: f("quant", "moe_route")?,
             rms_norm: f("pointwise", "rms_norm")?,
             add_rms_norm: f("pointwise", "add_rms_norm")?,
@@ -237,6 +240,7 @@ impl Kernels {
             ],
             rope: f("attention", "rope")?,
             kv_write: f("attention", "kv_write")?,
+            attn_prep: f("attention", "attn_prep")?,
             attention_partial,
             attention_partial_smem,
             attention_combine: f("attention", "attention_combine")?,
@@ -454,6 +458,39 @@ fn cfg(grid: (u32, u32), threads: u32, smem: usize) -> LaunchConfig {
 /// One thread per element, 256 per block.
 fn elementwise(n: usize) -> LaunchConfig {
     cfg(((n.div_ceil(256)).max(1) as u32, 1), 256, 0)
+}
+
+/// Experts the routing kernel holds in registers (16 keys a lane; kernels/quant.cu, route_token).
+const MAX_ROUTED_EXPERTS: usize = 512;
+
+/// The top `top_k` of `experts`, within what the routing kernel takes: one chosen expert per lane
+/// of a warp, and `MAX_ROUTED_EXPERTS`.
+fn check_routing(experts: usize, top_k: usize) -> Result<()> {
+    if experts == 0 || top_k == 0 || top_k > experts || top_k > 32 || experts > MAX_ROUTED_EXPERTS {
+        return Err(Error::Backend(format!(
+            "route: top {top_k} of {experts} experts (CUDA routes up to {MAX_ROUTED_EXPERTS} \
+             experts, choosing at most 32)"
+        )));
+    }
+    Ok(())
+}
+
+/// A residual norm's row of `cols` against its gains, within what one block holds
+/// (`NORM_PER_THREAD` columns for each of up to 1,024 threads).
+fn check_row_norm(cols: usize, w: &CudaSlice<f32>) -> Result<()> {
+    if w.len() < cols {
+        return Err(Error::Backend(format!(
+            "add_rms_norm over {cols} columns with {} gains",
+            w.len()
+        )));
+    }
+    if cols > NORM_PER_THREAD * 1024 {
+        return Err(Error::Backend(format!(
+            "add_rms_norm over {cols} columns: at most {} are supported on CUDA",
+            NORM_PER_THREAD * 1024
+        )));
+    }
+    Ok(())
 }
 
 fn same_shape(a: &CudaTensor, b: &CudaTensor, op: &str) -> Result<()> {
@@ -688,13 +725,46 @@ impl CudaBackend {
     /// given: one launch for every gate/up product (SwiGLU applied), one for every down
     /// product, one to mix them (kernels/quant.cu).
     #[allow(clippy::type_complexity)]
+    /// The MoE block, its outputs mixed by the routing weights (and the shared expert's gate).
     fn moe(
+        &self,
+        x: &CudaTensor,
+        rt: &CudaRouting,
+        experts: [&CudaQMatrix; 3],
+        shared: Option<([&CudaQMatrix; 3], &CudaTensor)>,
+    ) -> Result<CudaTensor> {
+        let (y, logit) = self.moe_products(x, rt, experts, shared)?;
+        let (t, hidden) = (x.rows, x.cols);
+        let out = self.tensor(t, hidden)?;
+        if t > 0 {
+            launch!(
+                self,
+                self.k.moe_combine,
+                elementwise(t * hidden),
+                [
+                    y.ptr,
+                    self.ptr(&rt.weights),
+                    logit,
+                    self.ptr(&out.buf),
+                    t as i32,
+                    rt.top_k as i32,
+                    hidden as i32
+                ]
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// The expert products of the MoE block: y [pairs (+ tokens), hidden] holds the routed
+    /// pairs' outputs, then the shared expert's; returned with the shared gate logits' address
+    /// (0 without a shared expert).
+    fn moe_products(
         &self,
         x: &CudaTensor,
         rt: &CudaRouting,
         [gate, up, down]: [&CudaQMatrix; 3],
         shared: Option<([&CudaQMatrix; 3], &CudaTensor)>,
-    ) -> Result<CudaTensor> {
+    ) -> Result<(DevBuf<f32>, u64)> {
         let (t, hidden) = (x.rows, x.cols);
         let e = rt.num_experts;
         let inter = gate.rows / e.max(1);
@@ -744,12 +814,11 @@ impl CudaBackend {
         let pairs = t * rt.top_k;
         let with_shared = shared.is_some();
         let all = pairs + if with_shared { t } else { 0 };
-        let out = self.tensor(t, hidden)?;
+        let y = self.tmp::<f32>(all * hidden)?;
         if t == 0 {
-            return Ok(out);
+            return Ok((y, logit));
         }
         let stride = inter.max(inter_s);
-        let y = self.tmp::<f32>(all * hidden)?;
         let shared_bytes = |rows, cols| {
             if with_shared {
                 t as u64 * qbytes(rows, cols, gate.bits)
@@ -832,21 +901,7 @@ impl CudaBackend {
                     pairs as u64 * qbytes(hidden, inter, down.bits) + shared_bytes(hidden, inter_s)
             )?;
         }
-        launch!(
-            self,
-            self.k.moe_combine,
-            elementwise(t * hidden),
-            [
-                y.ptr,
-                self.ptr(&rt.weights),
-                logit,
-                self.ptr(&out.buf),
-                t as i32,
-                rt.top_k as i32,
-                hidden as i32
-            ]
-        )?;
-        Ok(out)
+        Ok((y, logit))
     }
 
     /// `rows x cols` f32 at `src` as the tensor-core products read it (kernels/qmma.cu,
@@ -1279,6 +1334,172 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Attention over the cache, multiplied by sigmoid(gate) when a gate is given: in the split
+    /// merge's launch for decode, by `sigmoid_mul` after flash attention.
+    fn attention_with_gate(
+        &self,
+        q: &CudaTensor,
+        gate: Option<&CudaTensor>,
+        c: &CudaKvCache,
+        sh: &AttnShape,
+        pos0: usize,
+    ) -> Result<CudaTensor> {
+        let (t, h, d) = (q.rows, sh.heads, sh.head_dim);
+        let variant = match d {
+            64 => 0,
+            128 => 1,
+            256 => 2,
+            512 => 3,
+            _ => usize::MAX,
+        };
+        if variant == usize::MAX
+            || sh.kv_heads == 0
+            || h % sh.kv_heads != 0
+            || h / sh.kv_heads > 32
+            || q.cols != h * d
+        {
+            return Err(Error::Backend(format!(
+                "attention: {h} heads of {d} over {} KV heads is not supported on CUDA \
+                 (head dims 64, 128, 256 and 512 are)",
+                sh.kv_heads
+            )));
+        }
+        if c.len < pos0 + t {
+            return Err(Error::Backend(format!(
+                "attention over {} positions but the cache holds {}",
+                pos0 + t,
+                c.len
+            )));
+        }
+        let out = self.tensor(t, h * d)?;
+        if t == 0 {
+            return Ok(out);
+        }
+        if t >= FA_MIN_TOKENS
+            && let Some(Some(attention_prefill)) = self.k.attention_prefill.get(variant)
+        {
+            // The keys so far as bf16 hi/lo, which the kernel's tiles copy as they are.
+            let n = (pos0 + t) * c.row;
+            let split: Vec<DevBuf<u16>> =
+                (0..4).map(|_| self.tmp::<u16>(n)).collect::<Result<_>>()?;
+            for (src, (hi, lo)) in [
+                (&c.k, (&split[0], &split[1])),
+                (&c.v, (&split[2], &split[3])),
+            ] {
+                launch!(
+                    self,
+                    self.k.kv_split,
+                    elementwise(n / 4),
+                    [self.ptr(src), hi.ptr, lo.ptr, (n / 4) as i64]
+                )?;
+            }
+            launch!(
+                self,
+                attention_prefill,
+                cfg(
+                    ((t as u32).div_ceil(FA_QUERIES as u32), h as u32),
+                    256,
+                    fa_smem_bytes(d)
+                ),
+                [
+                    self.ptr(&q.buf),
+                    split[0].ptr,
+                    split[1].ptr,
+                    split[2].ptr,
+                    split[3].ptr,
+                    self.ptr(&out.buf),
+                    t as i32,
+                    h as i32,
+                    sh.kv_heads as i32,
+                    pos0 as i32
+                ]
+            )?;
+            return match gate {
+                Some(gate) => self.sigmoid_mul(&out, gate),
+                None => Ok(out),
+            };
+        }
+        // Split the keys so that the grid fills the GPU even for one query, without more
+        // partial results than there are useful blocks. A recorded step sizes the grid for the
+        // longest context of its bucket; splits past the actual keys exit at once.
+        let kv = sh.kv_heads;
+        let bound = if self.recording() {
+            self.bucket.load(Ordering::Relaxed).max(pos0 + t)
+        } else {
+            pos0 + t
+        };
+        let rows = t * h;
+        let (threads, smem) = (32 * (h / kv), attn_decode_smem_bytes(d, h / kv));
+        if smem > self.k.attention_partial_smem[variant] {
+            return Err(Error::Backend(format!(
+                "attention: {} query heads per KV head of dim {d} need {smem} bytes of shared \
+                 memory per block; this GPU allows {}",
+                h / kv,
+                self.k.attention_partial_smem[variant]
+            )));
+        }
+        // As many blocks as the GPU holds at once, at most: a second wave would run the tail of
+        // the keys after the first (three blocks per SM for the 35B's 74 KiB). And 256 splits
+        // at most: the merge kernel keeps one weight per split in shared memory.
+        let per_sm = self.k.attention_partial[variant]
+            .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+            .map_err(driver("attention occupancy"))? as usize;
+        let max_splits = (per_sm.max(1) * self.sms / (t * kv)).clamp(1, 256);
+        let splits = bound.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
+        let chunk = bound.div_ceil(splits);
+        let part = self.tmp::<f32>(rows * splits * (d + 2))?;
+        launch!(
+            self,
+            self.k.attention_partial[variant],
+            cfg(((t * kv) as u32, splits as u32), threads as u32, smem),
+            [
+                self.ptr(&q.buf),
+                self.ptr(&c.k),
+                self.ptr(&c.v),
+                self.ptr(&part),
+                h as i32,
+                kv as i32,
+                self.pos_ptr(),
+                pos0 as i32,
+                chunk as i32,
+                splits as i32
+            ]
+        )?;
+        launch!(
+            self,
+            self.k.attention_combine,
+            cfg((rows as u32, (d / 32) as u32), 256, 0),
+            [
+                self.ptr(&part),
+                gate.map_or(0, |g| self.ptr(&g.buf)),
+                self.ptr(&out.buf),
+                d as i32,
+                splits as i32
+            ]
+        )?;
+        Ok(out)
+    }
+
+    /// Room in the cache for `rows` positions from `pos0` (which must continue or rewrite what
+    /// it holds); returns the end position. The caller sets `len` after writing.
+    fn kv_extend(&self, c: &mut CudaKvCache, rows: usize, pos0: usize) -> Result<usize> {
+        let end = pos0 + rows;
+        if end > c.max_seq {
+            return Err(Error::invalid(format!(
+                "sequence full: {end} positions exceed max_seq {}",
+                c.max_seq
+            )));
+        }
+        if pos0 > c.len {
+            return Err(Error::Backend(format!(
+                "KV cache write at position {pos0} but the cache holds {}",
+                c.len
+            )));
+        }
+        self.reserve(c, end)?;
+        Ok(end)
+    }
+
     /// RMS norm over rows of `cols` (whole rows or heads), optionally gated by silu(z).
     fn norm_rows(
         &self,
@@ -1607,20 +1828,7 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<CudaTensor> {
         same_shape(x, y, "add_rms_norm")?;
-        if w.len() < x.cols {
-            return Err(Error::Backend(format!(
-                "add_rms_norm over {} columns with {} gains",
-                x.cols,
-                w.len()
-            )));
-        }
-        if x.cols > NORM_PER_THREAD * 1024 {
-            return Err(Error::Backend(format!(
-                "add_rms_norm over {} columns: at most {} are supported on CUDA",
-                x.cols,
-                NORM_PER_THREAD * 1024
-            )));
-        }
+        check_row_norm(x.cols, w)?;
         let out = self.tensor(x.rows, x.cols)?;
         if x.rows > 0 {
             let threads = x.cols.div_ceil(NORM_PER_THREAD).next_multiple_of(32);
@@ -1895,20 +2103,7 @@ impl Backend for CudaBackend {
                 k.cols, c.row
             )));
         }
-        let end = pos0 + k.rows;
-        if end > c.max_seq {
-            return Err(Error::invalid(format!(
-                "sequence full: {end} positions exceed max_seq {}",
-                c.max_seq
-            )));
-        }
-        if pos0 > c.len {
-            return Err(Error::Backend(format!(
-                "kv_append at position {pos0} but the cache holds {}",
-                c.len
-            )));
-        }
-        self.reserve(c, end)?;
+        let end = self.kv_extend(c, k.rows, pos0)?;
         let n = k.rows * c.row;
         launch!(
             self,
@@ -1929,6 +2124,74 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn attn_prep(
+        &self,
+        qg: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        [q_norm, k_norm]: [&CudaSlice<f32>; 2],
+        c: &mut CudaKvCache,
+        sh: &AttnShape,
+        pos0: usize,
+        eps: f32,
+    ) -> Result<(CudaTensor, CudaTensor)> {
+        let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
+        same_shape(k, v, "attn_prep")?;
+        if qg.cols != 2 * h * d
+            || qg.rows != k.rows
+            || k.cols != kvh * d
+            || k.cols != c.row
+            || q_norm.len() < d
+            || k_norm.len() < d
+            || !sh.rotary_dim.is_multiple_of(2)
+            || sh.rotary_dim > d
+        {
+            return Err(Error::Backend(format!(
+                "attn_prep: q|gate [{}, {}], k and v [{}, {}], cache rows of {}, {h} heads and {kvh} \
+                 KV heads of {d} (rotary {}), norms of {} and {}",
+                qg.rows,
+                qg.cols,
+                k.rows,
+                k.cols,
+                c.row,
+                sh.rotary_dim,
+                q_norm.len(),
+                k_norm.len()
+            )));
+        }
+        let end = self.kv_extend(c, k.rows, pos0)?;
+        let q = self.tensor(qg.rows, h * d)?;
+        let gate = self.tensor(qg.rows, h * d)?;
+        if qg.rows > 0 {
+            launch!(
+                self,
+                self.k.attn_prep,
+                cfg((qg.rows as u32, (h + kvh) as u32), 128, 4 * d),
+                [
+                    self.ptr(&qg.buf),
+                    self.ptr(&k.buf),
+                    self.ptr(&v.buf),
+                    self.ptr(q_norm),
+                    self.ptr(k_norm),
+                    self.ptr(&q.buf),
+                    self.ptr(&gate.buf),
+                    self.ptr(&c.k),
+                    self.ptr(&c.v),
+                    h as i32,
+                    kvh as i32,
+                    d as i32,
+                    sh.rotary_dim as i32,
+                    sh.rope_theta,
+                    eps,
+                    self.pos_ptr(),
+                    pos0 as i32
+                ]
+            )?;
+        }
+        c.len = end;
+        Ok((q, gate))
+    }
+
     fn attention(
         &self,
         q: &CudaTensor,
@@ -1936,131 +2199,19 @@ impl Backend for CudaBackend {
         sh: &AttnShape,
         pos0: usize,
     ) -> Result<CudaTensor> {
-        let (t, h, d) = (q.rows, sh.heads, sh.head_dim);
-        let variant = match d {
-            64 => 0,
-            128 => 1,
-            256 => 2,
-            512 => 3,
-            _ => usize::MAX,
-        };
-        if variant == usize::MAX
-            || sh.kv_heads == 0
-            || h % sh.kv_heads != 0
-            || h / sh.kv_heads > 32
-            || q.cols != h * d
-        {
-            return Err(Error::Backend(format!(
-                "attention: {h} heads of {d} over {} KV heads is not supported on CUDA \
-                 (head dims 64, 128, 256 and 512 are)",
-                sh.kv_heads
-            )));
-        }
-        if c.len < pos0 + t {
-            return Err(Error::Backend(format!(
-                "attention over {} positions but the cache holds {}",
-                pos0 + t,
-                c.len
-            )));
-        }
-        let out = self.tensor(t, h * d)?;
-        if t == 0 {
-            return Ok(out);
-        }
-        if t >= FA_MIN_TOKENS
-            && let Some(Some(attention_prefill)) = self.k.attention_prefill.get(variant)
-        {
-            // The keys so far as bf16 hi/lo, which the kernel's tiles copy as they are.
-            let n = (pos0 + t) * c.row;
-            let split: Vec<DevBuf<u16>> =
-                (0..4).map(|_| self.tmp::<u16>(n)).collect::<Result<_>>()?;
-            for (src, (hi, lo)) in [
-                (&c.k, (&split[0], &split[1])),
-                (&c.v, (&split[2], &split[3])),
-            ] {
-                launch!(
-                    self,
-                    self.k.kv_split,
-                    elementwise(n / 4),
-                    [self.ptr(src), hi.ptr, lo.ptr, (n / 4) as i64]
-                )?;
-            }
-            launch!(
-                self,
-                attention_prefill,
-                cfg(
-                    ((t as u32).div_ceil(FA_QUERIES as u32), h as u32),
-                    256,
-                    fa_smem_bytes(d)
-                ),
-                [
-                    self.ptr(&q.buf),
-                    split[0].ptr,
-                    split[1].ptr,
-                    split[2].ptr,
-                    split[3].ptr,
-                    self.ptr(&out.buf),
-                    t as i32,
-                    h as i32,
-                    sh.kv_heads as i32,
-                    pos0 as i32
-                ]
-            )?;
-            return Ok(out);
-        }
-        // Split the keys so that the grid fills the GPU even for one query, without more
-        // partial results than there are useful blocks. A recorded step sizes the grid for the
-        // longest context of its bucket; splits past the actual keys exit at once.
-        let kv = sh.kv_heads;
-        let bound = if self.recording() {
-            self.bucket.load(Ordering::Relaxed).max(pos0 + t)
-        } else {
-            pos0 + t
-        };
-        let rows = t * h;
-        let (threads, smem) = (32 * (h / kv), attn_decode_smem_bytes(d, h / kv));
-        if smem > self.k.attention_partial_smem[variant] {
-            return Err(Error::Backend(format!(
-                "attention: {} query heads per KV head of dim {d} need {smem} bytes of shared \
-                 memory per block; this GPU allows {}",
-                h / kv,
-                self.k.attention_partial_smem[variant]
-            )));
-        }
-        // As many blocks as the GPU holds at once, at most: a second wave would run the tail of
-        // the keys after the first (three blocks per SM for the 35B's 74 KiB). And 256 splits
-        // at most: the merge kernel keeps one weight per split in shared memory.
-        let per_sm = self.k.attention_partial[variant]
-            .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
-            .map_err(driver("attention occupancy"))? as usize;
-        let max_splits = (per_sm.max(1) * self.sms / (t * kv)).clamp(1, 256);
-        let splits = bound.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
-        let chunk = bound.div_ceil(splits);
-        let part = self.tmp::<f32>(rows * splits * (d + 2))?;
-        launch!(
-            self,
-            self.k.attention_partial[variant],
-            cfg(((t * kv) as u32, splits as u32), threads as u32, smem),
-            [
-                self.ptr(&q.buf),
-                self.ptr(&c.k),
-                self.ptr(&c.v),
-                self.ptr(&part),
-                h as i32,
-                kv as i32,
-                self.pos_ptr(),
-                pos0 as i32,
-                chunk as i32,
-                splits as i32
-            ]
-        )?;
-        launch!(
-            self,
-            self.k.attention_combine,
-            cfg((rows as u32, (d / 32) as u32), 256, 0),
-            [self.ptr(&part), self.ptr(&out.buf), d as i32, splits as i32]
-        )?;
-        Ok(out)
+        self.attention_with_gate(q, None, c, sh, pos0)
+    }
+
+    fn attention_gated(
+        &self,
+        q: &CudaTensor,
+        gate: &CudaTensor,
+        c: &CudaKvCache,
+        sh: &AttnShape,
+        pos0: usize,
+    ) -> Result<CudaTensor> {
+        same_shape(q, gate, "attention_gated")?;
+        self.attention_with_gate(q, Some(gate), c, sh, pos0)
     }
 
     fn sigmoid_mul(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor> {
@@ -2083,9 +2234,7 @@ impl Backend for CudaBackend {
 
     fn route(&self, logits: &CudaTensor, top_k: usize, renormalize: bool) -> Result<CudaRouting> {
         let e = logits.cols;
-        if e == 0 || top_k == 0 || top_k > e {
-            return Err(Error::Backend(format!("route: top {top_k} of {e} experts")));
-        }
+        check_routing(e, top_k)?;
         let t = logits.rows;
         let ids = self.tmp::<i32>(t * top_k)?;
         let weights = self.tmp::<f32>(t * top_k)?;
@@ -2122,9 +2271,10 @@ impl Backend for CudaBackend {
         renormalize: bool,
     ) -> Result<(CudaRouting, CudaTensor)> {
         let e = router.rows;
+        check_routing(e, top_k)?;
         // One token: the routing runs in the product's last block (kernels/quant.cu,
         // router_topk), which copies the logits into x's shared memory (e <= columns).
-        if h.rows != 1 || router.bits != shared_gate.bits || e > h.cols || top_k == 0 || top_k > e {
+        if h.rows != 1 || router.bits != shared_gate.bits || e > h.cols {
             return route_tokens_separately(self, h, router, shared_gate, top_k, renormalize);
         }
         let b = self.check_q(h.cols, router)?;
@@ -2188,6 +2338,48 @@ impl Backend for CudaBackend {
         shared_gate_logit: &CudaTensor,
     ) -> Result<CudaTensor> {
         self.moe(h, rt, experts, Some((shared, shared_gate_logit)))
+    }
+
+    fn moe_block_add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        h: &CudaTensor,
+        rt: &CudaRouting,
+        experts: [&CudaQMatrix; 3],
+        shared: [&CudaQMatrix; 3],
+        shared_gate_logit: &CudaTensor,
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        same_shape(x, h, "moe_block_add_rms_norm")?;
+        check_row_norm(x.cols, w)?;
+        // The fused kernel takes two columns a thread (kernels/pointwise.cu).
+        if x.cols > 2 * 1024 {
+            let moe = self.moe(h, rt, experts, Some((shared, shared_gate_logit)))?;
+            return self.add_rms_norm(x, &moe, w, eps);
+        }
+        let (y, logit) = self.moe_products(h, rt, experts, Some((shared, shared_gate_logit)))?;
+        let out = self.tensor(x.rows, x.cols)?;
+        if x.rows > 0 {
+            let threads = x.cols.div_ceil(2).next_multiple_of(32);
+            launch!(
+                self,
+                self.k.moe_combine_add_rms_norm,
+                cfg((x.rows as u32, 1), threads as u32, 0),
+                [
+                    y.ptr,
+                    self.ptr(&rt.weights),
+                    logit,
+                    self.ptr(&x.buf),
+                    self.ptr(w),
+                    self.ptr(&out.buf),
+                    x.cols as i32,
+                    rt.top_k as i32,
+                    eps
+                ]
+            )?;
+        }
+        Ok(out)
     }
 
     fn add_sigmoid_gated(

@@ -37,6 +37,55 @@ extern "C" __global__ void kv_write(const float* k, const float* v, float* kc, f
     vc[dst] = v[i];
 }
 
+// The attention layer's inputs in one launch (Backend::attn_prep). Block (t, slot): a slot below
+// `heads` is query head `slot` of qg [T, H*2D] (per head [query | gate]): its gate is copied to
+// g [T, H*D] and its query normed by q_norm and rotated into q [T, H*D]. Slot heads + j is KV
+// head j: k's row normed by k_norm and rotated into the K cache, and v's row copied into the V
+// cache, at position pos0 + t. The norm sums as rms_norm does with 128 threads and the rotation
+// is rope's, so the results equal those of the separate kernels bit for bit. Launch with 128
+// threads, (T, heads + kv_heads) blocks and d * 4 bytes of dynamic shared memory.
+extern "C" __global__ void attn_prep(const float* qg, const float* k, const float* v, const float* q_norm,
+                                     const float* k_norm, float* q, float* g, float* kc, float* vc, int heads,
+                                     int kv_heads, int d, int rotary, double theta, float eps, const int* pos_ptr,
+                                     int pos0) {
+    grid_dep();
+    extern __shared__ float xs[];
+    const int t = blockIdx.x, slot = blockIdx.y;
+    const bool is_q = slot < heads;
+    const int kvh = slot - heads;
+    const int pos = position(pos_ptr, pos0) + t;
+    const size_t kv_row = (size_t)pos * kv_heads * d + (size_t)kvh * d;
+    const float* src = is_q ? qg + ((size_t)t * heads + slot) * 2 * d : k + ((size_t)t * kv_heads + kvh) * d;
+    const float* w = is_q ? q_norm : k_norm;
+    float* dst = is_q ? q + ((size_t)t * heads + slot) * d : kc + kv_row;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        const float x = src[c];
+        ss = fmaf(x, x, ss);
+    }
+    const float inv = 1.f / sqrtf(block_sum(ss) / (float)d + eps);
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        xs[c] = src[c] * inv * w[c];
+        if (is_q) g[((size_t)t * heads + slot) * d + c] = src[d + c];
+        else vc[kv_row + c] = v[((size_t)t * kv_heads + kvh) * d + c];
+    }
+    __syncthreads();
+    const int half = rotary >> 1;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float out = xs[c];
+        if (c < rotary) {
+            const int j = c < half ? c : c - half;
+            const double inv_freq = pow(theta, -2.0 * (double)j / (double)rotary);
+            double sn, cs;
+            sincos((double)pos * inv_freq, &sn, &cs);
+            const float co = (float)cs, si = (float)sn;
+            const float a = xs[j], b = xs[j + half];
+            out = c < half ? a * co - b * si : b * co + a * si;
+        }
+        dst[c] = out;
+    }
+}
+
 // Keys per tile of the decode attention kernel: two lanes per key compute its score.
 constexpr int ATTN_TILE = 16;
 
@@ -165,9 +214,12 @@ ATTENTION_PARTIAL(16)
 // o[r][c] = sum_s exp(m_s - M) acc_s[c] / sum_s exp(m_s - M) l_s over the splits of row r
 // (splits past the row's keys hold max = -inf and weigh nothing). One block of 256 threads per
 // (row, 32 columns): the split weights are computed into shared memory, then warp w sums its
-// lane's column over splits w, w + 8, ... and warp 0 adds the eight partial sums.
+// lane's column over splits w, w + 8, ... and warp 0 adds the eight partial sums. With a gate
+// (the attention layer's output gate, [rows][d]) o is then multiplied by sigmoid(gate), as
+// sigmoid_mul would.
 constexpr int MAX_SPLITS = 256;
-extern "C" __global__ void attention_combine(const float* part, float* o, int d, int splits) { grid_dep();
+extern "C" __global__ void attention_combine(const float* part, const float* gate, float* o, int d, int splits) {
+    grid_dep();
     __shared__ float wgt[MAX_SPLITS];
     __shared__ float red[32];
     __shared__ float colsum[8][32];
@@ -202,7 +254,8 @@ extern "C" __global__ void attention_combine(const float* part, float* o, int d,
     if (warp == 0 && c < d) {
         float total = 0.f;
         for (int w = 0; w < nw; ++w) total += colsum[w][lane];
-        o[(size_t)r * d + c] = total / ls;
+        const float out = total / ls;
+        o[(size_t)r * d + c] = gate ? out * sigmoid(gate[(size_t)r * d + c]) : out;
     }
 }
 

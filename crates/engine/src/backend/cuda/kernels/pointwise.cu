@@ -2,19 +2,6 @@
 // attention output gate, the shared-expert gate, the q/gate split, and the argmax of logits rows.
 // Every reduction in f32.
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float part[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();  // part may still be read by a previous call
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    float s = 0.f;
-    for (int w = 0; w < nw; ++w) s += part[w];
-    return s;
-}
-
 // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, one block per row of `cols` (rows may be
 // heads: the per-head norms call this with cols = head_dim). If z is given, the result is
 // multiplied by silu(z[r]) (the GDN output norm).
@@ -39,15 +26,16 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
 // waited for a round trip to memory per element).
 constexpr int NORM_PER_THREAD = 8;
 
-// The residual add fused with the next norm: x[r] += y[r], then out[r] = rmsnorm(x[r]) * w.
-// One block per row, cols <= NORM_PER_THREAD * blockDim.x. The gains are read before the wait
-// for the previous kernel (they are weights).
-extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int cols,
-                                        float eps) {
+// The residual add fused with the next norm, for row blockIdx.x: x[r] += delta(c) for each
+// column c, then out[r] = rmsnorm(x[r]) * w. cols <= PER_THREAD * blockDim.x. The gains are
+// read before the wait for the previous kernel (they are weights).
+template <int PER_THREAD, class Delta>
+__device__ __forceinline__ void add_rms_norm_row(float* x, const float* w, float* out, int cols, float eps,
+                                                 Delta delta) {
     pdl_launch_dependents();
-    float g[NORM_PER_THREAD], v[NORM_PER_THREAD];
+    float g[PER_THREAD], v[PER_THREAD];
 #pragma unroll
-    for (int i = 0; i < NORM_PER_THREAD; ++i) {
+    for (int i = 0; i < PER_THREAD; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
         g[i] = c < cols ? w[c] : 0.f;
     }
@@ -55,22 +43,58 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
     const size_t base = (size_t)blockIdx.x * cols;
     float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < NORM_PER_THREAD; ++i) {
+    for (int i = 0; i < PER_THREAD; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
-        v[i] = c < cols ? x[base + c] + y[base + c] : 0.f;
+        v[i] = c < cols ? x[base + c] + delta(c) : 0.f;
         ss = fmaf(v[i], v[i], ss);
     }
 #pragma unroll
-    for (int i = 0; i < NORM_PER_THREAD; ++i) {
+    for (int i = 0; i < PER_THREAD; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
         if (c < cols) x[base + c] = v[i];
     }
     const float inv = 1.f / sqrtf(block_sum(ss) / (float)cols + eps);
 #pragma unroll
-    for (int i = 0; i < NORM_PER_THREAD; ++i) {
+    for (int i = 0; i < PER_THREAD; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
         if (c < cols) out[base + c] = v[i] * inv * g[i];
     }
+}
+
+// x[r] += y[r], then out[r] = rmsnorm(x[r]) * w; one block per row.
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int cols,
+                                        float eps) {
+    const float* yr = y + (size_t)blockIdx.x * cols;
+    add_rms_norm_row<NORM_PER_THREAD>(x, w, out, cols, eps, [&](int c) { return yr[c]; });
+}
+
+// The MoE block's output mixed into the residual add (moe_combine's sum, in its order), then the
+// next norm: one block per token t over y [pairs (+ tokens), cols] (pair t * top_k + j is token
+// t's j-th expert; with a shared expert, pair pairs + t is its output, gated by
+// sigmoid(shared_logit[t])). One block reads the row's k + 1 outputs, so they are loaded all at
+// once: two columns a thread (cols <= 2 * blockDim.x), the first MIX_LOADS experts' values
+// issued together before any is summed.
+constexpr int MIX_LOADS = 10;
+extern "C" __global__ void moe_combine_add_rms_norm(const float* y, const float* weights, const float* shared_logit,
+                                                    float* x, const float* w, float* out, int cols, int top_k,
+                                                    float eps) {
+    const size_t t = blockIdx.x, pairs = (size_t)gridDim.x * top_k;
+    const float* wt = weights + t * top_k;
+    const float* yt = y + t * top_k * cols;
+    const float* ys = y + (pairs + t) * cols;
+    add_rms_norm_row<2>(x, w, out, cols, eps, [&](int c) {
+        float yv[MIX_LOADS];
+#pragma unroll
+        for (int j = 0; j < MIX_LOADS; ++j) yv[j] = j < top_k ? yt[(size_t)j * cols + c] : 0.f;
+        const float s = shared_logit ? ys[c] : 0.f;
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < MIX_LOADS; ++j)
+            if (j < top_k) acc = fmaf(wt[j], yv[j], acc);
+        for (int j = MIX_LOADS; j < top_k; ++j) acc = fmaf(wt[j], yt[(size_t)j * cols + c], acc);
+        if (shared_logit) acc += s / (1.f + expf(-shared_logit[t]));
+        return acc;
+    });
 }
 
 // x += y.

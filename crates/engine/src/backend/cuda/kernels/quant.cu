@@ -416,62 +416,69 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, con
 
 // Softmax over one token's router logits l[experts], then the top k (ties to the lowest expert
 // id, comparing logits as the reference does), optionally renormalised over the chosen k; run by
-// one warp, lane 0 writing ids[j] and weights[j]. Each (logit, id) is packed in a u64 that orders
-// like the comparison (the logit's bits made monotonic, then the complement of the id), so round
-// j picks the largest key below round j-1's: no marking of chosen experts. A lane holds its
-// experts' keys in registers (ROUTE_KEYS per lane, 256 experts; more are read again each round).
-constexpr int ROUTE_KEYS = 8;
-
+// one warp. Each (logit, id) is packed in a u64 that orders like the comparison (pack_max). Lane
+// l holds the keys of experts l, l + 32, ... (KEYS of them: experts <= 32 * KEYS) sorted largest
+// first, so its candidate is its first key. A round takes the warp's largest candidate by two
+// redux.sync maxima (the high words, then the low words of the lanes holding that high word), and
+// the lane that held it moves its next key up. Round j's expert goes to lane j (top_k <= 32),
+// which computes its probability; the total adds them in the order j = 0..k-1, as the reference.
+template <int KEYS>
 __device__ __forceinline__ void route_token(const float* l, int experts, int top_k, int renormalize, int* ids,
                                             float* weights) {
+    const unsigned full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
-    float v[ROUTE_KEYS];
-    u64 key[ROUTE_KEYS];
+    float v[KEYS];
+    u64 key[KEYS];
     float m = NEG_INF;
 #pragma unroll
-    for (int i = 0; i < ROUTE_KEYS; ++i) {
+    for (int i = 0; i < KEYS; ++i) {
         const int e = lane + 32 * i;
         v[i] = e < experts ? l[e] : NEG_INF;
         key[i] = (e < experts && v[i] == v[i]) ? pack_max(v[i], e) : 0;
         m = fmaxf(m, v[i]);
     }
-    for (int e = lane + 32 * ROUTE_KEYS; e < experts; e += 32) m = fmaxf(m, l[e]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(full, m, o));
     float z = 0.f;
 #pragma unroll
-    for (int i = 0; i < ROUTE_KEYS; ++i)
+    for (int i = 0; i < KEYS; ++i)
         if (lane + 32 * i < experts) z += expf(v[i] - m);
-    for (int e = lane + 32 * ROUTE_KEYS; e < experts; e += 32) z += expf(l[e] - m);
     z = warp_sum(z);
-    u64 prev = ~0ull;
-    float total = 0.f;
-    for (int j = 0; j < top_k; ++j) {
-        u64 best = 0;
+    // Odd-even transposition sort, largest first.
 #pragma unroll
-        for (int i = 0; i < ROUTE_KEYS; ++i)
-            if (key[i] < prev && key[i] > best) best = key[i];
-        for (int e = lane + 32 * ROUTE_KEYS; e < experts; e += 32) {
-            const float x = l[e];
-            if (x == x) {
-                const u64 k = pack_max(x, e);
-                if (k < prev && k > best) best = k;
+    for (int r = 0; r < KEYS; ++r)
+#pragma unroll
+        for (int i = r & 1; i + 1 < KEYS; i += 2)
+            if (key[i] < key[i + 1]) {
+                const u64 t = key[i];
+                key[i] = key[i + 1];
+                key[i + 1] = t;
             }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const u64 other = __shfl_xor_sync(0xffffffffu, best, o);
-            best = other > best ? other : best;
-        }
-        prev = best;
-        const int id = best ? (int)(0xffffffffu - (u32)best) : 0;  // all NaN: expert 0
-        const float p = expf(l[id] - m) / z;
-        total += p;
-        if (lane == 0) {
-            ids[j] = id;
-            weights[j] = p;
+    int mine = 0;
+    for (int j = 0; j < top_k; ++j) {
+        const u32 hi = __reduce_max_sync(full, (u32)(key[0] >> 32));
+        const u32 lo = __reduce_max_sync(full, (u32)(key[0] >> 32) == hi ? (u32)key[0] : 0u);
+        const u64 best = ((u64)hi << 32) | lo;
+        if (lane == j) mine = best ? (int)(0xffffffffu - lo) : 0;  // all NaN: expert 0
+        if (best && key[0] == best) {
+#pragma unroll
+            for (int i = 0; i + 1 < KEYS; ++i) key[i] = key[i + 1];
+            key[KEYS - 1] = 0;
         }
     }
-    if (lane == 0 && renormalize)
-        for (int j = 0; j < top_k; ++j) weights[j] /= total;
+    const float p = lane < top_k ? expf(l[mine] - m) / z : 0.f;
+    float total = 0.f;
+    for (int j = 0; j < top_k; ++j) total += __shfl_sync(full, p, j);
+    if (lane < top_k) {
+        ids[lane] = mine;
+        weights[lane] = renormalize ? p / total : p;
+    }
+}
+
+// Up to 256 experts with 8 keys a lane, up to 512 (MAX_ROUTED_EXPERTS, mod.rs) with 16.
+__device__ __forceinline__ void route_token_any(const float* l, int experts, int top_k, int renormalize, int* ids,
+                                                float* weights) {
+    if (experts <= 256) route_token<8>(l, experts, top_k, renormalize, ids, weights);
+    else route_token<16>(l, experts, top_k, renormalize, ids, weights);
 }
 
 // The routing of each token: one warp per token.
@@ -479,7 +486,7 @@ extern "C" __global__ void moe_route(const float* logits, int* ids, float* weigh
                                      int renormalize) {
     grid_dep();
     const size_t t = blockIdx.x;
-    route_token(logits + t * experts, experts, top_k, renormalize, ids + t * top_k, weights + t * top_k);
+    route_token_any(logits + t * experts, experts, top_k, renormalize, ids + t * top_k, weights + t * top_k);
 }
 
 // A load from L2, past this SM's L1 (which may hold an older copy of a buffer another SM wrote).
@@ -492,7 +499,7 @@ __device__ __forceinline__ float load_cg(const float* p) {
 // One token's router product and its routing in one launch: qgemv_batch over the router (matrix
 // 0, `experts` rows) and the shared-expert gate, one row per warp; then the block that finishes
 // last (a ticket from `done`, which it sets back to 0) copies the logits into shared memory and
-// routes them (route_token), so the expert kernels wait on one launch instead of two. Launch as
+// routes them (route_token_any), so the expert kernels wait on one launch instead of two. Launch as
 // qgemv_batch's r1 variant; experts <= cols (the logits reuse x's shared memory).
 template <int BITS>
 __device__ __forceinline__ void router_topk(const QBatch& b, const float* x, int cols, int* ids, float* weights,
@@ -508,7 +515,7 @@ __device__ __forceinline__ void router_topk(const QBatch& b, const float* x, int
     if (ticket != gridDim.x - 1) return;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) xs[e] = load_cg(b.y[0] + e);
     __syncthreads();
-    if (threadIdx.x < 32) route_token(xs, experts, top_k, renormalize, ids, weights);
+    if (threadIdx.x < 32) route_token_any(xs, experts, top_k, renormalize, ids, weights);
     if (threadIdx.x == 0) *done = 0;
 }
 
