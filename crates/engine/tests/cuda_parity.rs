@@ -702,11 +702,16 @@ fn fused_projections_and_residual_norm_match() {
     };
     let mut rng = StdRng::seed_from_u64(29);
     let cols = 2048;
-    // The MoE block's shape: two 8-bit matrices, then two 4-bit ones; and a run of five 4-bit
-    // matrices (more than one launch holds).
-    let sets: [Vec<(usize, u32)>; 2] = [
+    // The MoE block's shape: two 8-bit matrices, then two 4-bit ones; a run of five 4-bit
+    // matrices (more than one launch holds; the GDN in-projections' four walk their rows on a
+    // grid of two blocks per SM, `gemv_batch_stream`); the attention in-projections; odd row
+    // counts (four-row warps instead of the walk); 8-bit rows walked.
+    let sets: [Vec<(usize, u32)>; 5] = [
         vec![(256, 8), (1, 8), (512, 4), (512, 4)],
         vec![(8192, 4), (4096, 4), (32, 4), (32, 4), (100, 4)],
+        vec![(8192, 4), (512, 4), (512, 4)],
+        vec![(8191, 4), (4097, 4)],
+        vec![(12288, 8), (2, 8)],
     ];
     for set in sets {
         let ws: Vec<QWeight> = set

@@ -123,6 +123,7 @@ struct Kernels {
     /// `[bits]`: the matrix-vector product for matrices of many rows (a grid of two blocks per
     /// SM walking the rows).
     gemv_stream: [CudaFunction; 2],
+    gemv_batch_stream: [CudaFunction; 2],
     /// `[bits]`: one token's router product with its top-k (`router_topk`).
     router_topk: [CudaFunction; 2],
     /// Tensor-core products for prefill (kernels/qmma.cu).
@@ -211,6 +212,7 @@ impl Kernels {
             gemv: variants("gemv")?,
             gemv_batch: variants("gemv_batch")?,
             gemv_stream: pair("gemv_stream")?,
+            gemv_batch_stream: pair("gemv_batch_stream")?,
             router_topk: pair("router_topk")?,
             mma: tc("mma")?,
             embed: pair("embed")?,
@@ -417,11 +419,10 @@ struct QBatch {
     y: [u64; 4],
     rows: [i32; 4],
     first_block: [i32; 5],
-    /// The C struct's tail padding, explicit so that every byte is initialised.
-    _pad: i32,
+    first_row: [i32; 5],
 }
 
-// SAFETY: repr(C) with no implicit padding (the tail padding is a field).
+// SAFETY: repr(C) with no padding (32 u64, then 14 i32: 184 bytes, a multiple of 8).
 unsafe impl bytemuck::NoUninit for QBatch {}
 
 /// One quantized matrix as a kernel parameter (`QMat` in kernels/quant.cu).
@@ -1130,10 +1131,13 @@ impl CudaBackend {
             batch.y[m] = self.ptr(&out.buf);
             batch.rows[m] = w.rows as i32;
             batch.first_block[m] = blocks;
+            batch.first_row[m + 1] = batch.first_row[m] + w.rows as i32;
             blocks += w.rows.div_ceil(rows_per_block) as i32;
             outs.push(out);
         }
         batch.first_block[ws.len()..].fill(blocks);
+        let rows = batch.first_row[ws.len()];
+        batch.first_row[ws.len() + 1..].fill(rows);
         Ok((batch, blocks, outs))
     }
 
@@ -1803,16 +1807,30 @@ impl Backend for CudaBackend {
                 } = self.gemv_variant(part.iter().map(|w| w.rows).sum(), x.cols, part[0].bits);
                 let (batch, blocks, part_outs) = self.qbatch(x.cols, part, rows_per_block)?;
                 outs.extend(part_outs);
-                if blocks > 0 {
+                let bytes = part
+                    .iter()
+                    .map(|w| qbytes(w.rows, w.cols, w.bits))
+                    .sum::<u64>();
+                // Four-row warps needing more blocks than two per SM (their registers' limit)
+                // would leave a second, mostly empty wave: walk the rows instead.
+                let stream = variant == 0
+                    && blocks as usize > 2 * self.sms
+                    && part.iter().all(|w| w.rows.is_multiple_of(2));
+                if stream {
+                    launch!(
+                        self,
+                        self.k.gemv_batch_stream[b],
+                        cfg(((2 * self.sms) as u32, 1), 256, 4 * x.cols),
+                        [batch, self.ptr(&x.buf), x.cols as i32],
+                        bytes = bytes
+                    )?;
+                } else if blocks > 0 {
                     launch!(
                         self,
                         self.k.gemv_batch[b][variant],
                         cfg((blocks as u32, 1), 256, 4 * x.cols),
                         [batch, self.ptr(&x.buf), x.cols as i32],
-                        bytes = part
-                            .iter()
-                            .map(|w| qbytes(w.rows, w.cols, w.bits))
-                            .sum::<u64>()
+                        bytes = bytes
                     )?;
                 }
             }

@@ -240,6 +240,7 @@ struct QBatch {
     float* y[4];
     int rows[4];
     int first_block[5];
+    int first_row[5];  // prefix sums of rows: matrix m's rows start at first_row[m] of the run
 };
 
 // Launch with 256 threads, first_block[4] blocks and cols * 4 bytes of shared memory; one token.
@@ -274,6 +275,52 @@ __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __rest
         qgemv_batch<8, R, U, LANES>(b, x, cols);                                                        \
     }
 GEMV_VARIANTS(QGEMV_BATCH)
+
+// qgemv_batch for matrices of many rows in all: their rows taken as one run (matrix m's after
+// m - 1's; every matrix's row count even), walked two at a time by every warp of a grid of two
+// blocks per SM as qgemv_stream walks the lm_head's, the next rows' codes loaded while the
+// current are summed. A grid of four-row warps would take a second, mostly empty wave of blocks
+// (two blocks of 121 registers a thread fit an SM). Launch with 256 threads, 2 blocks per SM and
+// cols * 4 bytes of shared memory; one token.
+template <int BITS>
+__device__ __forceinline__ void qgemv_batch_stream(const QBatch& b, const float* __restrict__ x, int cols) {
+    constexpr int R = 2, U = 2;
+    extern __shared__ float xs[];
+    pdl_launch_dependents();
+    const int total = b.first_row[4];
+    const int step = (int)(gridDim.x * (blockDim.x >> 5)) * R;
+    // Matrix m of run row g, and a QRows for the warp's two rows from g.
+    auto rows_at = [&](int g, int& m) {
+        m = 0;
+        while (m < 3 && g >= b.first_row[m + 1]) ++m;
+        return QRows<BITS, R, U, 32>({b.codes[m], b.scales[m], b.biases[m]}, g - b.first_row[m], b.rows[m], cols);
+    };
+    int g = warp_in_grid() * R, m = 0;
+    QRows<BITS, R, U, 32> cur = rows_at(min(g, total - 1), m);
+    if (g < total) cur.load(0);
+    pdl_wait();
+    stage_x<BITS>(xs, x, cols);
+    __syncthreads();
+    for (; g < total; g += step) {
+        int m_next = m;
+        QRows<BITS, R, U, 32> next = rows_at(min(g + step, total - 1), m_next);
+        if (g + step < total) next.load(0);
+        float acc[R] = {};
+        cur.run(xs, acc);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (cur.writer(r)) b.y[m][cur.row0 + r] = acc[r];
+        cur = next;
+        m = m_next;
+    }
+}
+
+extern "C" __global__ void GEMV_BOUNDS(2) q4_gemv_batch_stream(QBatch b, const float* x, int cols) {
+    qgemv_batch_stream<4>(b, x, cols);
+}
+extern "C" __global__ void GEMV_BOUNDS(2) q8_gemv_batch_stream(QBatch b, const float* x, int cols) {
+    qgemv_batch_stream<8>(b, x, cols);
+}
 
 // out[t][c] = dequantized row ids[t] of the table. One block per token.
 template <int BITS>
