@@ -124,6 +124,7 @@ struct Kernels {
     /// SM walking the rows).
     gemv_stream: [CudaFunction; 2],
     gemv_batch_stream: [CudaFunction; 2],
+    moe_gate_up_stream: [CudaFunction; 2],
     /// `[bits]`: one token's router product with its top-k (`router_topk`).
     router_topk: [CudaFunction; 2],
     /// Tensor-core products for prefill (kernels/qmma.cu).
@@ -213,6 +214,7 @@ impl Kernels {
             gemv_batch: variants("gemv_batch")?,
             gemv_stream: pair("gemv_stream")?,
             gemv_batch_stream: pair("gemv_batch_stream")?,
+            moe_gate_up_stream: pair("moe_gate_up_stream")?,
             router_topk: pair("router_topk")?,
             mma: tc("mma")?,
             embed: pair("embed")?,
@@ -849,32 +851,55 @@ impl CudaBackend {
                 variant,
                 rows_per_block,
             } = self.gemv_variant(stride * all, hidden, gate.bits);
-            launch!(
-                self,
-                self.k.moe_gate_up[b][variant],
-                cfg(
-                    (stride.div_ceil(rows_per_block) as u32, all as u32),
-                    256,
-                    4 * hidden
-                ),
-                [
-                    self.qarg(gate),
-                    self.qarg(up),
-                    sgate,
-                    sup,
-                    self.ptr(&rt.ids),
-                    self.ptr(&x.buf),
-                    act.ptr,
-                    rt.top_k as i32,
-                    pairs as i32,
-                    inter as i32,
-                    inter_s as i32,
-                    hidden as i32
-                ],
-                bytes = 2
-                    * (pairs as u64 * qbytes(inter, hidden, gate.bits)
-                        + shared_bytes(inter_s, hidden))
-            )?;
+            let gate_up_bytes = 2
+                * (pairs as u64 * qbytes(inter, hidden, gate.bits) + shared_bytes(inter_s, hidden));
+            if t == 1 {
+                // One token: every warp of two blocks per SM walks the pairs' rows.
+                launch!(
+                    self,
+                    self.k.moe_gate_up_stream[b],
+                    cfg(((2 * self.sms) as u32, 1), 256, 4 * hidden),
+                    [
+                        self.qarg(gate),
+                        self.qarg(up),
+                        sgate,
+                        sup,
+                        self.ptr(&rt.ids),
+                        self.ptr(&x.buf),
+                        act.ptr,
+                        pairs as i32,
+                        inter as i32,
+                        inter_s as i32,
+                        hidden as i32
+                    ],
+                    bytes = gate_up_bytes
+                )?;
+            } else {
+                launch!(
+                    self,
+                    self.k.moe_gate_up[b][variant],
+                    cfg(
+                        (stride.div_ceil(rows_per_block) as u32, all as u32),
+                        256,
+                        4 * hidden
+                    ),
+                    [
+                        self.qarg(gate),
+                        self.qarg(up),
+                        sgate,
+                        sup,
+                        self.ptr(&rt.ids),
+                        self.ptr(&x.buf),
+                        act.ptr,
+                        rt.top_k as i32,
+                        pairs as i32,
+                        inter as i32,
+                        inter_s as i32,
+                        hidden as i32
+                    ],
+                    bytes = gate_up_bytes
+                )?;
+            }
             let GemvShape {
                 variant,
                 rows_per_block,

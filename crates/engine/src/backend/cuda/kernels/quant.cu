@@ -389,6 +389,70 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
         if (gm.writer(r)) act[(size_t)p * stride + gm.row0 + r] = silu(ag[r]) * au[r];
 }
 
+// moe_gate_up for one token (decode): the rows of every pair taken as one run, the shared
+// expert's first (their weights are loaded before the wait for the router), then each routed
+// pair's, walked by every warp of a grid of two blocks per SM one row at a time (gate and up), the
+// next row's codes loaded while the current is summed; x is staged once per block. The grid of
+// per-pair blocks takes 1.45 waves (three blocks of 68 registers a thread fit an SM). Launch
+// with 256 threads, 2 blocks per SM and hidden * 4 bytes of shared memory.
+template <int BITS>
+__device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
+                                                   const float* x, float* act, int pairs, int inter, int inter_s,
+                                                   int hidden) {
+    using Rows = QRows<BITS, 1, 2, 32>;
+    extern __shared__ float xs[];
+    pdl_launch_dependents();
+    const int shared_rows = sgate.codes ? inter_s : 0;
+    const int total = shared_rows + pairs * inter, stride = max(inter, inter_s);
+    const int step = (int)(gridDim.x * (blockDim.x >> 5));
+    // Run row g: its pair and row, and the gate and up rows' QRows (routed: ids must be readable).
+    struct Row {
+        int p, r;
+        Rows g, u;
+    };
+    auto row_at = [&](int g) {
+        if (g < shared_rows) return Row{pairs, g, Rows(sgate, g, inter_s, hidden), Rows(sup, g, inter_s, hidden)};
+        const int q = g - shared_rows, p = q / inter, r = q % inter;
+        const size_t e = (size_t)ids[p];
+        return Row{p, r, Rows(expert_slice<BITS>(gate, e, inter, hidden), r, inter, hidden),
+                   Rows(expert_slice<BITS>(up, e, inter, hidden), r, inter, hidden)};
+    };
+    int g = warp_in_grid();
+    const bool early = g < shared_rows;
+    if (!early) pdl_wait();
+    Row cur = row_at(min(g, total - 1));
+    if (g < total) {
+        cur.g.load(0);
+        cur.u.load(0);
+    }
+    if (early) pdl_wait();
+    stage_x<BITS>(xs, x, hidden);
+    __syncthreads();
+    for (; g < total; g += step) {
+        Row next = row_at(min(g + step, total - 1));
+        if (g + step < total) {
+            next.g.load(0);
+            next.u.load(0);
+        }
+        float ag[1] = {}, au[1] = {};
+        cur.g.run(xs, ag);
+        cur.u.run(xs, au);
+        if (cur.g.writer(0)) act[(size_t)cur.p * stride + cur.r] = silu(ag[0]) * au[0];
+        cur = next;
+    }
+}
+
+extern "C" __global__ void GEMV_BOUNDS(2) q4_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup,
+                                                              const int* ids, const float* x, float* act, int pairs,
+                                                              int inter, int inter_s, int hidden) {
+    moe_gate_up_stream<4>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden);
+}
+extern "C" __global__ void GEMV_BOUNDS(2) q8_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup,
+                                                              const int* ids, const float* x, float* act, int pairs,
+                                                              int inter, int inter_s, int hidden) {
+    moe_gate_up_stream<8>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden);
+}
+
 // y[p][r] = down[r] . act[p]. Launch with 256 threads, (ceil(hidden / ROWS_PER_BLOCK),
 // pairs + tokens) blocks, stride * 4 bytes of shared memory.
 template <int BITS, int R, int U, int LANES>
