@@ -85,7 +85,7 @@ fn gpu_gemv(
             Grid::Blocks(n) => (n, 1, 1),
         },
         block_dim: (256, 1, 1),
-        shared_mem_bytes: 4 * w.cols as u32,
+        shared_mem_bytes: engine::backend::cuda::gemv_smem_bytes(w.cols) as u32,
     };
     let mut times = Vec::new();
     for _ in 0..reps.max(1) {

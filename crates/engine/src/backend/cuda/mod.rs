@@ -478,6 +478,12 @@ fn check_routing(experts: usize, top_k: usize) -> Result<()> {
     Ok(())
 }
 
+/// Dynamic shared memory of a matrix-vector block over `cols` columns (kernels/quant.cu,
+/// stage_x): x itself, then one sum per vector of codes (16 columns at 8 bits, 32 at 4).
+pub fn gemv_smem_bytes(cols: usize) -> usize {
+    4 * (cols + cols / 16)
+}
+
 /// A residual norm's row of `cols` against its gains, within what one block holds
 /// (`NORM_PER_THREAD` columns for each of up to 1,024 threads).
 fn check_row_norm(cols: usize, w: &CudaSlice<f32>) -> Result<()> {
@@ -858,7 +864,7 @@ impl CudaBackend {
                 launch!(
                     self,
                     self.k.moe_gate_up_stream[b],
-                    cfg(((2 * self.sms) as u32, 1), 256, 4 * hidden),
+                    cfg(((2 * self.sms) as u32, 1), 256, gemv_smem_bytes(hidden)),
                     [
                         self.qarg(gate),
                         self.qarg(up),
@@ -881,7 +887,7 @@ impl CudaBackend {
                     cfg(
                         (stride.div_ceil(rows_per_block) as u32, all as u32),
                         256,
-                        4 * hidden
+                        gemv_smem_bytes(hidden)
                     ),
                     [
                         self.qarg(gate),
@@ -910,7 +916,7 @@ impl CudaBackend {
                 cfg(
                     (hidden.div_ceil(rows_per_block) as u32, all as u32),
                     256,
-                    4 * stride
+                    gemv_smem_bytes(stride)
                 ),
                 [
                     self.qarg(down),
@@ -1575,12 +1581,12 @@ impl CudaBackend {
                 w.name, w.cols
             )));
         }
-        if !w.cols.is_multiple_of(64) || 4 * w.cols > SMEM_LIMIT {
+        if !w.cols.is_multiple_of(64) || gemv_smem_bytes(w.cols) > SMEM_LIMIT {
+            // The widest staged x that fits: gemv_smem_bytes(cols) = 4 * 17/16 * cols.
+            let widest = SMEM_LIMIT * 4 / 17 / 64 * 64;
             return Err(Error::Backend(format!(
-                "{}: {} columns are not supported by the CUDA products (multiples of 64 up to {})",
-                w.name,
-                w.cols,
-                SMEM_LIMIT / 4
+                "{}: {} columns are not supported by the CUDA products (multiples of 64 up to {widest})",
+                w.name, w.cols
             )));
         }
         bits_index(w.bits, &w.name)
@@ -1792,7 +1798,7 @@ impl Backend for CudaBackend {
                 self.launch(
                     f,
                     label,
-                    cfg((blocks as u32, x.rows as u32), 256, 4 * w.cols),
+                    cfg((blocks as u32, x.rows as u32), 256, gemv_smem_bytes(w.cols)),
                     &args,
                     x.rows as u64 * qbytes(w.rows, w.cols, w.bits),
                 )
@@ -1845,7 +1851,7 @@ impl Backend for CudaBackend {
                     launch!(
                         self,
                         self.k.gemv_batch_stream[b],
-                        cfg(((2 * self.sms) as u32, 1), 256, 4 * x.cols),
+                        cfg(((2 * self.sms) as u32, 1), 256, gemv_smem_bytes(x.cols)),
                         [batch, self.ptr(&x.buf), x.cols as i32],
                         bytes = bytes
                     )?;
@@ -1853,7 +1859,7 @@ impl Backend for CudaBackend {
                     launch!(
                         self,
                         self.k.gemv_batch[b][variant],
-                        cfg((blocks as u32, 1), 256, 4 * x.cols),
+                        cfg((blocks as u32, 1), 256, gemv_smem_bytes(x.cols)),
                         [batch, self.ptr(&x.buf), x.cols as i32],
                         bytes = bytes
                     )?;
@@ -2334,7 +2340,7 @@ impl Backend for CudaBackend {
         launch!(
             self,
             self.k.router_topk[b],
-            cfg((blocks as u32, 1), 256, 4 * h.cols),
+            cfg((blocks as u32, 1), 256, gemv_smem_bytes(h.cols)),
             [
                 batch,
                 self.ptr(&h.buf),

@@ -9,23 +9,39 @@
 // QMat and bf16_to_f32 live in common.cuh (the tensor-core products of qmma.cu share them).
 
 
-// Stages x (cols floats) in shared memory transposed, xs[j][w] = x[w * PER_WORD + j], so that the
-// matrix-vector loop reads four consecutive words' x values as one float4. One thread per word:
-// its PER_WORD values arrive as float4 loads, and consecutive threads store to consecutive banks.
+// Stages x (cols floats) in shared memory for the matrix-vector loop, in two parts:
+//   xs[j][w] = x[w * PER_WORD + j] * 2^(-BITS * j), transposed, so that the loop reads four
+//     consecutive words' x values as one float4, and scaled so that code j of a word is used in
+//     place, masked but not shifted: (word & (MASK << BITS * j)) is q * 2^(BITS * j), exact as a
+//     float, and its product with the scaled x is q * x exactly (both scalings are powers of two);
+//   xsum[v] (after the cols values) = the sum of x over vector v's 4 * PER_WORD columns, which
+//     every row's group bias multiplies: summed once per block instead of once per row, in the
+//     order the loop used to sum it.
+// One thread per vector (four words). Shared memory: gemv_smem_bytes(cols) in mod.rs.
 template <int BITS>
 __device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, int cols) {
     constexpr int PER_WORD = 32 / BITS;
-    const int words = cols / PER_WORD;
-    for (int w = threadIdx.x; w < words; w += blockDim.x) {
-        const float4* src = reinterpret_cast<const float4*>(x + (size_t)w * PER_WORD);
+    const int words = cols / PER_WORD, vecs = words / 4;
+    float* xsum = xs + cols;
+    for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+        const float4* src = reinterpret_cast<const float4*>(x + (size_t)v * 4 * PER_WORD);
+        float f[4][PER_WORD];
 #pragma unroll
-        for (int h = 0; h < PER_WORD / 4; ++h) {
-            const float4 v = src[h];
-            xs[(4 * h + 0) * words + w] = v.x;
-            xs[(4 * h + 1) * words + w] = v.y;
-            xs[(4 * h + 2) * words + w] = v.z;
-            xs[(4 * h + 3) * words + w] = v.w;
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int h = 0; h < PER_WORD / 4; ++h) {
+                const float4 a = src[k * PER_WORD / 4 + h];
+                f[k][4 * h] = a.x, f[k][4 * h + 1] = a.y, f[k][4 * h + 2] = a.z, f[k][4 * h + 3] = a.w;
+            }
+        float sx = 0.f;
+#pragma unroll
+        for (int j = 0; j < PER_WORD; ++j) {
+            sx += (f[0][j] + f[1][j]) + (f[2][j] + f[3][j]);
+            const float scale = __int_as_float((127 - BITS * j) << 23);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) xs[j * words + 4 * v + k] = f[k][j] * scale;
         }
+        xsum[v] = sx;
     }
 }
 
@@ -99,29 +115,28 @@ struct QRows {
         }
     }
 
+    // x staged by stage_x: scaled per code position, and summed per vector after the cols values.
     __device__ __forceinline__ void accumulate(int base, const float* xs, float acc[R]) const {
+        const float* xsum = xs + words * PER_WORD;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int v = vec(base, u);
             if (v >= vecs) break;
             float4 xv[PER_WORD];
-            float sx = 0.f;
 #pragma unroll
-            for (int j = 0; j < PER_WORD; ++j) {
-                xv[j] = reinterpret_cast<const float4*>(xs + j * words)[v];
-                sx += (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
-            }
+            for (int j = 0; j < PER_WORD; ++j) xv[j] = reinterpret_cast<const float4*>(xs + j * words)[v];
+            const float sx = xsum[v];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const uint4 c = q[r][u];
                 float dot = 0.f;
 #pragma unroll
                 for (int j = 0; j < PER_WORD; ++j) {
-                    const int sh = BITS * j;
-                    dot = fmaf((float)((c.x >> sh) & MASK), xv[j].x, dot);
-                    dot = fmaf((float)((c.y >> sh) & MASK), xv[j].y, dot);
-                    dot = fmaf((float)((c.z >> sh) & MASK), xv[j].z, dot);
-                    dot = fmaf((float)((c.w >> sh) & MASK), xv[j].w, dot);
+                    const u32 m = MASK << (BITS * j);
+                    dot = fmaf((float)(c.x & m), xv[j].x, dot);
+                    dot = fmaf((float)(c.y & m), xv[j].y, dot);
+                    dot = fmaf((float)(c.z & m), xv[j].z, dot);
+                    dot = fmaf((float)(c.w & m), xv[j].w, dot);
                 }
                 acc[r] = fmaf(bf16_to_f32(s[r][u]), dot, fmaf(bf16_to_f32(b[r][u]), sx, acc[r]));
             }
