@@ -7,10 +7,10 @@ use std::io::Write;
 
 use common::{cuda_or_skip, nmse, qweight, randn};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use engine::backend::cpu::CpuBackend;
 use engine::backend::cpu::reference as r;
-use engine::backend::cuda::CudaBackend;
+use engine::backend::cpu::{CpuBackend, CpuRouting};
 use engine::backend::cuda::device::CudaDevice;
+use engine::backend::cuda::{CudaBackend, CudaRouting};
 use engine::backend::{AttnShape, Backend, GdnShape, attn_prep_separately};
 use engine::checkpoint::QWeight;
 use half::bf16;
@@ -531,6 +531,24 @@ fn attention_matches_at_short_and_long_contexts() {
     }
 }
 
+/// The GPU's routing against the CPU's: the ids exactly, the weights within `TOL`.
+fn same_routing(what: &str, gpu: &CudaBackend, rg: &CudaRouting, rc: &CpuRouting) {
+    let n = rc.ids.len();
+    let ids: Vec<u32> = gpu
+        .download_buf(&rg.ids)
+        .expect("ids")
+        .iter()
+        .map(|&i| i as u32)
+        .collect();
+    assert_eq!(ids[..n], rc.ids[..], "routing ids {what}");
+    let weights = gpu.download_buf(&rg.weights).expect("weights");
+    close(
+        &format!("routing weights {what}"),
+        &weights[..n],
+        &rc.weights,
+    );
+}
+
 #[allow(clippy::too_many_arguments)]
 fn moe_on<B: Backend>(
     b: &B,
@@ -583,19 +601,7 @@ fn routing_and_experts_match() {
             let rg = gpu
                 .route(&up(&gpu, &logits, t, e), k, renorm)
                 .expect("route");
-            let gids: Vec<u32> = gpu
-                .download_buf(&rg.ids)
-                .expect("ids")
-                .iter()
-                .map(|&i| i as u32)
-                .collect();
-            assert_eq!(gids[..t * k], rc.ids[..], "routing ids E={e} k={k} T={t}");
-            let gw = gpu.download_buf(&rg.weights).expect("weights");
-            close(
-                &format!("routing weights E={e} k={k} T={t}"),
-                &gw[..t * k],
-                &rc.weights,
-            );
+            same_routing(&format!("E={e} k={k} T={t}"), &gpu, &rg, &rc);
             close(
                 &format!("experts E={e} k={k} hidden {hidden} inter {inter} q{bits} T={t}"),
                 &moe_on(&gpu, &logits, &x, &w, t, e, k, renorm),
@@ -744,19 +750,7 @@ fn routing_breaks_ties_to_the_lowest_id() {
             .collect();
         let rc = cpu.route(&up(&cpu, &logits, t, e), k, true).expect("cpu");
         let rg = gpu.route(&up(&gpu, &logits, t, e), k, true).expect("gpu");
-        let ids: Vec<u32> = gpu
-            .download_buf(&rg.ids)
-            .expect("ids")
-            .iter()
-            .map(|&i| i as u32)
-            .collect();
-        assert_eq!(ids[..t * k], rc.ids[..], "tied routing ids E={e} k={k}");
-        let weights = gpu.download_buf(&rg.weights).expect("weights");
-        close(
-            &format!("tied routing weights E={e} k={k}"),
-            &weights[..t * k],
-            &rc.weights,
-        );
+        same_routing(&format!("of tied logits E={e} k={k}"), &gpu, &rg, &rc);
     }
     // Past what the kernel holds: a clear error, not a wrong answer.
     let logits = vec![0.0f32; 600];
@@ -807,19 +801,7 @@ fn router_product_with_its_routing_matches() {
                 )
                 .expect("route_tokens");
             let what = format!("E={e} k={k} hidden {hidden} q{bits} T={t}");
-            let ids: Vec<u32> = gpu
-                .download_buf(&rg.ids)
-                .expect("ids")
-                .iter()
-                .map(|&i| i as u32)
-                .collect();
-            assert_eq!(ids[..t * k], rc.ids[..], "routing ids {what}");
-            let weights = gpu.download_buf(&rg.weights).expect("weights");
-            close(
-                &format!("routing weights {what}"),
-                &weights[..t * k],
-                &rc.weights,
-            );
+            same_routing(&what, &gpu, &rg, &rc);
             close(
                 &format!("shared gate logit {what}"),
                 &down(&gpu, &gg),

@@ -859,53 +859,48 @@ impl CudaBackend {
             } = self.gemv_variant(stride * all, hidden, gate.bits);
             let gate_up_bytes = 2
                 * (pairs as u64 * qbytes(inter, hidden, gate.bits) + shared_bytes(inter_s, hidden));
-            if t == 1 {
-                // One token: every warp of two blocks per SM walks the pairs' rows.
-                launch!(
-                    self,
-                    self.k.moe_gate_up_stream[b],
-                    cfg(((2 * self.sms) as u32, 1), 256, gemv_smem_bytes(hidden)),
-                    [
-                        self.qarg(gate),
-                        self.qarg(up),
-                        sgate,
-                        sup,
-                        self.ptr(&rt.ids),
-                        self.ptr(&x.buf),
-                        act.ptr,
-                        pairs as i32,
-                        inter as i32,
-                        inter_s as i32,
-                        hidden as i32
-                    ],
-                    bytes = gate_up_bytes
-                )?;
+            // One token: every warp of two blocks per SM walks the pairs' rows; more, a block
+            // per (rows, pair). Both kernels take the same arguments (kernels/quant.cu).
+            let (f, label, grid) = if t == 1 {
+                (
+                    &self.k.moe_gate_up_stream[b],
+                    "moe_gate_up_stream[b]",
+                    ((2 * self.sms) as u32, 1),
+                )
             } else {
-                launch!(
-                    self,
-                    self.k.moe_gate_up[b][variant],
-                    cfg(
-                        (stride.div_ceil(rows_per_block) as u32, all as u32),
-                        256,
-                        gemv_smem_bytes(hidden)
-                    ),
-                    [
-                        self.qarg(gate),
-                        self.qarg(up),
-                        sgate,
-                        sup,
-                        self.ptr(&rt.ids),
-                        self.ptr(&x.buf),
-                        act.ptr,
-                        rt.top_k as i32,
-                        pairs as i32,
-                        inter as i32,
-                        inter_s as i32,
-                        hidden as i32
-                    ],
-                    bytes = gate_up_bytes
-                )?;
-            }
+                (
+                    &self.k.moe_gate_up[b][variant],
+                    "moe_gate_up[b][variant]",
+                    (stride.div_ceil(rows_per_block) as u32, all as u32),
+                )
+            };
+            let args: [&dyn KernelArg; 12] = [
+                &self.qarg(gate),
+                &self.qarg(up),
+                &sgate,
+                &sup,
+                &self.ptr(&rt.ids),
+                &self.ptr(&x.buf),
+                &act.ptr,
+                &(rt.top_k as i32),
+                &(pairs as i32),
+                &(inter as i32),
+                &(inter_s as i32),
+                &(hidden as i32),
+            ];
+            // SAFETY: both kernels take (QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
+            // const float* x, float* act, int top_k, int pairs, int inter, int inter_s,
+            // int hidden) and gemv_smem_bytes(hidden) of shared memory; act holds all pairs'
+            // rows of `stride`.
+            unsafe {
+                self.launch(
+                    f,
+                    label,
+                    cfg(grid, 256, gemv_smem_bytes(hidden)),
+                    &args,
+                    gate_up_bytes,
+                )
+            }?;
             let GemvShape {
                 variant,
                 rows_per_block,

@@ -175,7 +175,7 @@ struct QRows {
     X(4, 1, 16, _h16, 3)
 
 // y[t][r] = sum_c w[r][c] * x[t][c], one token per blockIdx.y. Launch with 256 threads,
-// cols * 4 bytes of dynamic shared memory.
+// gemv_smem_bytes(cols) of dynamic shared memory (mod.rs).
 template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void qgemv(QMat w, const float* __restrict__ x, float* __restrict__ y, int rows,
                                       int cols) {
@@ -211,8 +211,8 @@ GEMV_VARIANTS(QGEMV)
 // The same product for matrices of many rows (the lm_head): a grid of a few blocks per SM whose
 // warps walk the rows in steps of the whole grid, the next rows' codes loaded while the current
 // ones are summed, and x staged once per block instead of once per 32 rows. Two rows per warp.
-// Launch with 256 threads, (2 per SM, tokens) blocks (the registers allow two), cols * 4 bytes of
-// shared memory.
+// Launch with 256 threads, (2 per SM, tokens) blocks (the registers allow two) and
+// gemv_smem_bytes(cols) of shared memory.
 template <int BITS>
 __device__ __forceinline__ void qgemv_stream(QMat w, const float* __restrict__ x, float* __restrict__ y, int rows,
                                              int cols) {
@@ -258,7 +258,8 @@ struct QBatch {
     int first_row[5];  // prefix sums of rows: matrix m's rows start at first_row[m] of the run
 };
 
-// Launch with 256 threads, first_block[4] blocks and cols * 4 bytes of shared memory; one token.
+// Launch with 256 threads, first_block[4] blocks and gemv_smem_bytes(cols) of shared memory; one
+// token.
 template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __restrict__ x, int cols) {
     extern __shared__ float xs[];
@@ -296,7 +297,7 @@ GEMV_VARIANTS(QGEMV_BATCH)
 // blocks per SM as qgemv_stream walks the lm_head's, the next rows' codes loaded while the
 // current are summed. A grid of four-row warps would take a second, mostly empty wave of blocks
 // (two blocks of 121 registers a thread fit an SM). Launch with 256 threads, 2 blocks per SM and
-// cols * 4 bytes of shared memory; one token.
+// gemv_smem_bytes(cols) of shared memory; one token.
 template <int BITS>
 __device__ __forceinline__ void qgemv_batch_stream(const QBatch& b, const float* __restrict__ x, int cols) {
     constexpr int R = 2, U = 2;
@@ -367,8 +368,9 @@ extern "C" __global__ void q8_embed(const u32* codes, const u16* scales, const u
 
 // act[p][r] = silu(gate[r] . x[t]) * (up[r] . x[t]) for the chosen experts and the shared
 // expert only. Launch with 256 threads, (ceil(stride / ROWS_PER_BLOCK), pairs + tokens) blocks and
-// hidden * 4 bytes of shared memory. The shared expert's weights are fetched before the wait for
-// the previous kernel; a routed expert's only once its id (written by the router) can be read.
+// gemv_smem_bytes(hidden) of shared memory. The shared expert's weights are fetched before the
+// wait for the previous kernel; a routed expert's only once its id (written by the router) can be
+// read.
 template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
                                             const float* x, float* act, int top_k, int pairs, int inter,
@@ -409,7 +411,8 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 // pair's, walked by every warp of a grid of two blocks per SM one row at a time (gate and up), the
 // next row's codes loaded while the current is summed; x is staged once per block. The grid of
 // per-pair blocks takes 1.45 waves (three blocks of 68 registers a thread fit an SM). Launch
-// with 256 threads, 2 blocks per SM and hidden * 4 bytes of shared memory.
+// with 256 threads, 2 blocks per SM and gemv_smem_bytes(hidden) of shared memory. The kernels
+// take moe_gate_up's arguments (top_k unused: one token's pairs are its top k).
 template <int BITS>
 __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
                                                    const float* x, float* act, int pairs, int inter, int inter_s,
@@ -458,18 +461,18 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
 }
 
 extern "C" __global__ void GEMV_BOUNDS(2) q4_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup,
-                                                              const int* ids, const float* x, float* act, int pairs,
-                                                              int inter, int inter_s, int hidden) {
+                                                              const int* ids, const float* x, float* act, int top_k,
+                                                              int pairs, int inter, int inter_s, int hidden) {
     moe_gate_up_stream<4>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden);
 }
 extern "C" __global__ void GEMV_BOUNDS(2) q8_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup,
-                                                              const int* ids, const float* x, float* act, int pairs,
-                                                              int inter, int inter_s, int hidden) {
+                                                              const int* ids, const float* x, float* act, int top_k,
+                                                              int pairs, int inter, int inter_s, int hidden) {
     moe_gate_up_stream<8>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden);
 }
 
 // y[p][r] = down[r] . act[p]. Launch with 256 threads, (ceil(hidden / ROWS_PER_BLOCK),
-// pairs + tokens) blocks, stride * 4 bytes of shared memory.
+// pairs + tokens) blocks, gemv_smem_bytes(stride) of shared memory.
 template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, const float* act, float* y,
                                          int pairs, int inter, int inter_s, int hidden) {
