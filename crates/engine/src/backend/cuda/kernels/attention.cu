@@ -6,9 +6,20 @@
 // before each replay); eager launches pass it by value (`pos_ptr` null).
 __device__ __forceinline__ int position(const int* pos_ptr, int pos0) { return pos_ptr ? *pos_ptr : pos0; }
 
+// Rotate-half RoPE of one pair of a head, dims j and j + rotary/2 (a and b), at position pos.
+// Angles in f64 (as the CPU reference computes its table), then cos/sin rounded to f32.
+__device__ __forceinline__ void rope_pair(float& a, float& b, int pos, int j, int rotary, double theta) {
+    const double inv = pow(theta, -2.0 * (double)j / (double)rotary);
+    double sn, cs;
+    sincos((double)pos * inv, &sn, &cs);
+    const float c = (float)cs, s = (float)sn;
+    const float a0 = a, b0 = b;
+    a = a0 * c - b0 * s;
+    b = b0 * c + a0 * s;
+}
+
 // Rotate-half RoPE on the first `rotary` dims of each head of x [T, H*D], in place; row t is at
-// position pos0 + t. Angles in f64 (as the CPU reference computes its table). One thread per
-// (t, h, j < rotary/2).
+// position pos0 + t. One thread per (t, h, j < rotary/2).
 extern "C" __global__ void rope(float* x, int tokens, int heads, int d, int rotary, double theta,
                                 const int* pos_ptr, int pos0) { grid_dep();
     const int half = rotary >> 1;
@@ -17,14 +28,8 @@ extern "C" __global__ void rope(float* x, int tokens, int heads, int d, int rota
     const int j = (int)(i % half);
     const long long th = i / half;
     const int t = (int)(th / heads);
-    const double inv = pow(theta, -2.0 * (double)j / (double)rotary);
-    double sn, cs;
-    sincos((double)(position(pos_ptr, pos0) + t) * inv, &sn, &cs);
-    const float c = (float)cs, s = (float)sn;
     float* head = x + th * d;
-    const float a = head[j], b = head[j + half];
-    head[j] = a * c - b * s;
-    head[j + half] = b * c + a * s;
+    rope_pair(head[j], head[j + half], position(pos_ptr, pos0) + t, j, rotary, theta);
 }
 
 // Writes k and v [T, row] into the caches at rows pos0.. (row = KVH*D floats).
@@ -75,12 +80,9 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
         float out = xs[c];
         if (c < rotary) {
             const int j = c < half ? c : c - half;
-            const double inv_freq = pow(theta, -2.0 * (double)j / (double)rotary);
-            double sn, cs;
-            sincos((double)pos * inv_freq, &sn, &cs);
-            const float co = (float)cs, si = (float)sn;
-            const float a = xs[j], b = xs[j + half];
-            out = c < half ? a * co - b * si : b * co + a * si;
+            float a = xs[j], b = xs[j + half];
+            rope_pair(a, b, pos, j, rotary, theta);
+            out = c < half ? a : b;
         }
         dst[c] = out;
     }
