@@ -160,6 +160,12 @@ struct QRows {
     }
 };
 
+// When the next kernel launches: the products let it launch (pdl_launch_dependents) only once
+// they have waited for their input and staged it, not at their start. Launched at the start, the
+// next kernel's blocks take the SMs' slots and issue their weight loads while this kernel's own
+// first loads are in flight: decode was 7-9% slower (docs/performance.md, run12). The next
+// kernel's weight loads still overlap this kernel's main loop.
+
 // The matrix-vector variants, by the rows each warp takes (and the blocks per SM their registers
 // must allow):
 //   r4:  four rows per warp, each x value reused for four rows (large matrices);
@@ -180,12 +186,12 @@ template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void qgemv(QMat w, const float* __restrict__ x, float* __restrict__ y, int rows,
                                       int cols) {
     extern __shared__ float xs[];
-    pdl_launch_dependents();
     QRows<BITS, R, U, LANES> m(w, first_row<R, LANES>(warp_in_grid()), rows, cols);
     m.load(0);
     pdl_wait();
     stage_x<BITS>(xs, x + (size_t)blockIdx.y * cols, cols);
     __syncthreads();
+    pdl_launch_dependents();  // only now: see "When the next kernel launches"
     if (warp_idle<R, LANES>(warp_in_grid(), rows)) return;
     float acc[R] = {};
     m.run(xs, acc);
@@ -218,7 +224,6 @@ __device__ __forceinline__ void qgemv_stream(QMat w, const float* __restrict__ x
                                              int cols) {
     constexpr int R = 2, U = 2;
     extern __shared__ float xs[];
-    pdl_launch_dependents();
     const int step = (int)(gridDim.x * (blockDim.x >> 5)) * R;
     int row0 = warp_in_grid() * R;
     QRows<BITS, R, U, 32> cur(w, row0, rows, cols);
@@ -226,6 +231,7 @@ __device__ __forceinline__ void qgemv_stream(QMat w, const float* __restrict__ x
     pdl_wait();
     stage_x<BITS>(xs, x + (size_t)blockIdx.y * cols, cols);
     __syncthreads();
+    pdl_launch_dependents();  // only now: see "When the next kernel launches"
     for (; row0 < rows; row0 += step) {
         QRows<BITS, R, U, 32> next(w, row0 + step, rows, cols);
         if (row0 + step < rows) next.load(0);
@@ -263,7 +269,6 @@ struct QBatch {
 template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __restrict__ x, int cols) {
     extern __shared__ float xs[];
-    pdl_launch_dependents();
     int m = 0;
     while (m < 3 && (int)blockIdx.x >= b.first_block[m + 1]) ++m;
     const int rows = b.rows[m];
@@ -273,6 +278,7 @@ __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __rest
     pdl_wait();
     stage_x<BITS>(xs, x, cols);
     __syncthreads();
+    pdl_launch_dependents();  // only now: see "When the next kernel launches"
     if (warp_idle<R, LANES>(warp, rows)) return;  // from this function: router_topk's tail still runs
     float acc[R] = {};
     mat.run(xs, acc);
@@ -302,7 +308,6 @@ template <int BITS>
 __device__ __forceinline__ void qgemv_batch_stream(const QBatch& b, const float* __restrict__ x, int cols) {
     constexpr int R = 2, U = 2;
     extern __shared__ float xs[];
-    pdl_launch_dependents();
     const int total = b.first_row[4];
     const int step = (int)(gridDim.x * (blockDim.x >> 5)) * R;
     // Matrix m of run row g, and a QRows for the warp's two rows from g.
@@ -317,6 +322,7 @@ __device__ __forceinline__ void qgemv_batch_stream(const QBatch& b, const float*
     pdl_wait();
     stage_x<BITS>(xs, x, cols);
     __syncthreads();
+    pdl_launch_dependents();  // only now: see "When the next kernel launches"
     for (; g < total; g += step) {
         int m_next = m;
         QRows<BITS, R, U, 32> next = rows_at(min(g + step, total - 1), m_next);
@@ -376,7 +382,6 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
                                             const float* x, float* act, int top_k, int pairs, int inter,
                                             int inter_s, int hidden) {
     extern __shared__ float xs[];
-    pdl_launch_dependents();
     const int p = blockIdx.y;
     const bool shared = p >= pairs;
     const int t = shared ? p - pairs : p / top_k;
@@ -396,6 +401,7 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
     if (shared) pdl_wait();
     stage_x<BITS>(xs, x + (size_t)t * hidden, hidden);
     __syncthreads();
+    pdl_launch_dependents();  // only now: see "When the next kernel launches"
     if (warp_idle<R, LANES>(warp, rows)) return;
     float ag[R] = {}, au[R] = {};
     gm.run(xs, ag);
@@ -419,7 +425,6 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
                                                    int hidden) {
     using Rows = QRows<BITS, 1, 2, 32>;
     extern __shared__ float xs[];
-    pdl_launch_dependents();
     const int shared_rows = sgate.codes ? inter_s : 0;
     const int total = shared_rows + pairs * inter, stride = max(inter, inter_s);
     const int step = (int)(gridDim.x * (blockDim.x >> 5));
@@ -446,6 +451,7 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
     if (early) pdl_wait();
     stage_x<BITS>(xs, x, hidden);
     __syncthreads();
+    pdl_launch_dependents();  // only now: see "When the next kernel launches"
     for (; g < total; g += step) {
         Row next = row_at(min(g + step, total - 1));
         if (g + step < total) {
@@ -477,7 +483,6 @@ template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, const float* act, float* y,
                                          int pairs, int inter, int inter_s, int hidden) {
     extern __shared__ float xs[];
-    pdl_launch_dependents();
     const int p = blockIdx.y;
     const bool shared = p >= pairs;
     const int cols = shared ? inter_s : inter;
@@ -491,6 +496,7 @@ __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, 
     if (shared) pdl_wait();
     stage_x<BITS>(xs, act + (size_t)p * max(inter, inter_s), cols);
     __syncthreads();
+    pdl_launch_dependents();  // only now: see "When the next kernel launches"
     if (warp_idle<R, LANES>(warp_in_grid(), hidden)) return;
     float acc[R] = {};
     m.run(xs, acc);
