@@ -382,9 +382,16 @@ pub fn route_tokens_separately<B: Backend + ?Sized>(
     top_k: usize,
     renormalize: bool,
 ) -> Result<(B::Routing, B::Tensor)> {
-    let [logits, shared_gate_logit]: [B::Tensor; 2] = b
-        .qmatmul_many(h, &[router, shared_gate])?
-        .try_into()
-        .map_err(|_| Error::Backend("qmatmul_many returned the wrong count".into()))?;
+    let [logits, shared_gate_logit] = products(b.qmatmul_many(h, &[router, shared_gate])?)?;
     Ok((b.route(&logits, top_k, renormalize)?, shared_gate_logit))
+}
+
+/// The outputs of a batched product (`qmatmul_many`) as an array of the `N` it was given.
+pub fn products<T, const N: usize>(outs: Vec<T>) -> Result<[T; N]> {
+    let n = outs.len();
+    outs.try_into().map_err(|_| {
+        Error::Backend(format!(
+            "a batched product returned {n} outputs, expected {N}"
+        ))
+    })
 }

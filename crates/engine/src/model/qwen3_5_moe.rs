@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use crate::backend::{AttnShape, Backend, GdnShape};
+use crate::backend::{AttnShape, Backend, GdnShape, products};
 use crate::checkpoint::{Checkpoint, QWeight};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
@@ -250,7 +250,7 @@ impl<B: Backend> Qwen35Moe<B> {
         s: &mut B::GdnState,
     ) -> Result<B::Tensor> {
         let sh = &self.gdn_shape;
-        let [qkv, z, a, beta_logit] = four(b.qmatmul_many(
+        let [qkv, z, a, beta_logit] = products(b.qmatmul_many(
             h,
             &[&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_a, &w.in_proj_b],
         )?)?;
@@ -270,7 +270,7 @@ impl<B: Backend> Qwen35Moe<B> {
     ) -> Result<B::Tensor> {
         let sh = &self.attn_shape;
         let eps = self.cfg.rms_norm_eps;
-        let [q_gate, k, v] = three(b.qmatmul_many(h, &[&w.q_proj, &w.k_proj, &w.v_proj])?)?;
+        let [q_gate, k, v] = products(b.qmatmul_many(h, &[&w.q_proj, &w.k_proj, &w.v_proj])?)?;
         // q, k = rope(head_rms_norm(q)), rope(head_rms_norm(k)); k and v appended to the cache.
         let (q, gate) =
             b.attn_prep(&q_gate, &k, &v, [&w.q_norm, &w.k_norm], cache, sh, pos, eps)?;
@@ -305,16 +305,6 @@ impl<B: Backend> Qwen35Moe<B> {
             self.cfg.rms_norm_eps,
         )
     }
-}
-
-fn three<T>(v: Vec<T>) -> Result<[T; 3]> {
-    v.try_into()
-        .map_err(|_| Error::Backend("qmatmul_many returned the wrong count".into()))
-}
-
-fn four<T>(v: Vec<T>) -> Result<[T; 4]> {
-    v.try_into()
-        .map_err(|_| Error::Backend("qmatmul_many returned the wrong count".into()))
 }
 
 fn load_gdn<B: Backend>(ld: &mut Loader<'_, B>, p: &str) -> Result<GdnWeights<B>> {

@@ -18,7 +18,9 @@ use cudarc::driver::{
 };
 
 use self::device::{CudaDevice, driver};
-use super::{AttnShape, Backend, GdnShape, KernelCost, ProfileMode, route_tokens_separately};
+use super::{
+    AttnShape, Backend, GdnShape, KernelCost, ProfileMode, products, route_tokens_separately,
+};
 use crate::backend::cpu::reference::GDN_L2_EPS;
 use crate::checkpoint::QWeight;
 use crate::error::{Error, Result};
@@ -424,7 +426,7 @@ struct QBatch {
     first_row: [i32; 5],
 }
 
-// SAFETY: repr(C) with no padding (32 u64, then 14 i32: 184 bytes, a multiple of 8).
+// SAFETY: repr(C) with no padding (16 u64, then 14 i32: 184 bytes, a multiple of 8).
 unsafe impl bytemuck::NoUninit for QBatch {}
 
 /// One quantized matrix as a kernel parameter (`QMat` in kernels/quant.cu).
@@ -2327,9 +2329,7 @@ impl Backend for CudaBackend {
             &[router, shared_gate],
             GEMV_SHAPES[1].rows_per_block,
         )?;
-        let [_logits, shared_gate_logit]: [CudaTensor; 2] = outs
-            .try_into()
-            .map_err(|_| Error::Backend("route_tokens: two products".into()))?;
+        let [_logits, shared_gate_logit] = products(outs)?;
         let ids = self.tmp::<i32>(top_k)?;
         let weights = self.tmp::<f32>(top_k)?;
         launch!(
