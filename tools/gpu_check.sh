@@ -39,6 +39,14 @@ phase_parity() {
       grep -E 'panicked|FAILED|failed' "$OUT/$t.log" | head -20
     fi
   done
+  # On Hopper the prefill products run on the warpgroup kernels; check the sm_80 ones too.
+  note "test binary cuda_parity with LILY_CUDA_WGMMA=0"
+  if LILY_CUDA_WGMMA=0 ./.device/cuda_parity --test-threads=1 --nocapture >"$OUT/cuda_parity-mma.log" 2>&1; then
+    record "cuda_parity (mma core)" "pass ($(grep -o '[0-9]* passed' "$OUT/cuda_parity-mma.log" | tail -1))"
+  else
+    record "cuda_parity (mma core)" "FAIL (see cuda_parity-mma.log)"
+    grep -E 'panicked|FAILED|failed' "$OUT/cuda_parity-mma.log" | head -20
+  fi
   grep -E 'nmse|greedy tokens identical|GB/s' "$OUT"/cuda_parity.log "$OUT"/golden.log | sed 's|.*/||' >"$OUT/parity-summary.txt"
 }
 

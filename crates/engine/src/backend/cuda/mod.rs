@@ -129,8 +129,14 @@ struct Kernels {
     moe_gate_up_stream: [CudaFunction; 2],
     /// `[bits]`: one token's router product with its top-k (`router_topk`).
     router_topk: [CudaFunction; 2],
-    /// Tensor-core products for prefill (kernels/qmma.cu).
+    /// Tensor-core products for prefill (kernels/qmma.cu): the warpgroup (`wgmma`) kernels on
+    /// sm_90a, the `mma` ones elsewhere.
     mma: [CudaFunction; 2],
+    /// How the product kernels in use are launched: `[bits]` dynamic shared memory, weight rows
+    /// and threads per block.
+    mma_smem: [usize; 2],
+    mma_rows: u32,
+    mma_threads: u32,
     embed: [CudaFunction; 2],
     /// `[bits][variant]` as `gemv`.
     moe_gate_up: [[CudaFunction; 3]; 2],
@@ -171,14 +177,27 @@ struct Kernels {
 
 impl Kernels {
     fn load(dev: &CudaDevice) -> Result<Kernels> {
+        // Hopper's warpgroup products where the kernels were built for it (`LILY_CUDA_WGMMA=0`
+        // keeps the sm_80 ones, for comparison).
+        let wgmma =
+            dev.arch == "sm_90a" && std::env::var("LILY_CUDA_WGMMA").map_or(true, |v| v != "0");
+        tracing::info!(
+            core = if wgmma { "wgmma" } else { "mma" },
+            "prefill products on the tensor cores"
+        );
+        let (core, mma_smem, mma_rows, mma_threads) = if wgmma {
+            ("wgmma", [wg_smem_bytes(4), wg_smem_bytes(8)], 256, 512)
+        } else {
+            ("mma", [TC_SMEM_BYTES; 2], 128, 256)
+        };
         // The tensor-core products take more shared memory than a launch gets without opting in.
         let tc = |name: &str| -> Result<[CudaFunction; 2]> {
             let pair = [
-                dev.function("qmma", &format!("q4_{name}"))?,
-                dev.function("qmma", &format!("q8_{name}"))?,
+                dev.function("qmma", &format!("q4_{name}{core}"))?,
+                dev.function("qmma", &format!("q8_{name}{core}"))?,
             ];
-            for func in &pair {
-                allow_dynamic_smem(func, TC_SMEM_BYTES)?;
+            for (func, &bytes) in pair.iter().zip(&mma_smem) {
+                allow_dynamic_smem(func, bytes)?;
             }
             Ok(pair)
         };
@@ -218,15 +237,18 @@ impl Kernels {
             gemv_batch_stream: pair("gemv_batch_stream")?,
             moe_gate_up_stream: pair("moe_gate_up_stream")?,
             router_topk: pair("router_topk")?,
-            mma: tc("mma")?,
+            mma: tc("")?,
+            mma_smem,
+            mma_rows,
+            mma_threads,
             embed: pair("embed")?,
             moe_gate_up: variants("moe_gate_up")?,
             moe_down: variants("moe_down")?,
             moe_group: f("qmma", "moe_group")?,
             split_bf16: f("qmma", "split_bf16")?,
             swiglu_split_bf16: f("qmma", "swiglu_split_bf16")?,
-            moe_gate_up_mma: tc("moe_gate_up_mma")?,
-            moe_down_mma: tc("moe_down_mma")?,
+            moe_gate_up_mma: tc("moe_gate_up_")?,
+            moe_down_mma: tc("moe_down_")?,
             moe_combine: f("quant", "moe_combine")?,
             moe_combine_add_rms_norm: f("pointwise", "moe_combine_add_rms_norm")?,
             moe_route: f("quant", "moe_route")?,
@@ -521,8 +543,14 @@ const PREFILL_CHUNK: usize = 4096;
 /// rows of codes and 64 slots of hi/lo activations, 72-element pitch, scales, biases and sums;
 /// then the slots' rows). The kernels trap if a launch gives them less.
 const TC_SMEM_BYTES: usize = 2 * (2 * (128 + 2 * 64) * 72 + 4 * (2 * 128 + 64)) + 64 * (4 + 8);
-/// Weight rows per block of the tensor-core products (`TC_BM`, kernels/qmma.cu).
-const MMA_ROWS: u32 = 128;
+/// Shared memory of a warpgroup product block (`WgSmem<BITS>`, kernels/qmma.cu): the slots, then
+/// six stages of 64 slots' hi and lo activations (64 columns each), 256 rows of codes and the
+/// slots' sums, then the slots.
+fn wg_smem_bytes(bits: usize) -> usize {
+    let stage = 2 * 64 * 64 * 2 + 256 * 2 * bits * 4 + 64 * 4;
+    // Stages and the whole are 1,024-byte aligned; 1,024 more to align the start.
+    6 * stage.next_multiple_of(1024) + 1024 + 1024
+}
 /// How each matrix-vector variant (`GEMV_VARIANTS`, kernels/quant.cu) is launched.
 #[derive(Clone, Copy)]
 struct GemvShape {
@@ -988,13 +1016,13 @@ impl CudaBackend {
             return Ok(());
         }
         let grid = (
-            (w.rows as u32).div_ceil(MMA_ROWS),
+            (w.rows as u32).div_ceil(self.k.mma_rows),
             (tokens as u32).div_ceil(64),
         );
         launch!(
             self,
             self.k.mma[b],
-            cfg(grid, 256, TC_SMEM_BYTES),
+            cfg(grid, self.k.mma_threads, self.k.mma_smem[b]),
             [
                 self.qarg(w),
                 x.hi.ptr,
@@ -1076,9 +1104,12 @@ impl CudaBackend {
             self,
             self.k.moe_gate_up_mma[b],
             cfg(
-                (max_tiles as u32, 2 * (stride as u32).div_ceil(MMA_ROWS)),
-                256,
-                TC_SMEM_BYTES
+                (
+                    max_tiles as u32,
+                    2 * (stride as u32).div_ceil(self.k.mma_rows)
+                ),
+                self.k.mma_threads,
+                self.k.mma_smem[b]
             ),
             [
                 self.qarg(gate),
@@ -1108,9 +1139,9 @@ impl CudaBackend {
             self,
             self.k.moe_down_mma[b],
             cfg(
-                (max_tiles as u32, (hidden as u32).div_ceil(MMA_ROWS)),
-                256,
-                TC_SMEM_BYTES
+                (max_tiles as u32, (hidden as u32).div_ceil(self.k.mma_rows)),
+                self.k.mma_threads,
+                self.k.mma_smem[b]
             ),
             [
                 self.qarg(down),

@@ -21,7 +21,9 @@
 // one 64-column group per step. The next group's codes and activations are loaded into registers
 // while the tensor cores work on the current one, then written to the second of two shared
 // buffers (one barrier per group). Slot s of a block reads split row xrow[s] (-1: an empty slot)
-// and writes output row yrow[s], so one core serves dense and grouped products.
+// and writes output row yrow[s], so one core serves dense and grouped products. On sm_90a the
+// same kernels run on Hopper's warpgroup products instead (the `wgmma` core below: 256 rows a
+// block); the host picks the core (mod.rs).
 
 // Weight rows per block: each warp 64 rows x 16 slots (4 x 2 mma.m16n8k16 tiles), so that its B
 // fragments serve 4 row tiles (1.5 shared-memory wavefronts per product instead of 2).
@@ -87,23 +89,25 @@ __device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
     return d;
 }
 
+// The bf16 pair (column p, column p + 4) of 8-column block b of a row's codes `w` (words of one
+// 64-column group). 4-bit: OR-ing a nibble into the mantissa of 128.0 gives 128 + q exactly; one
+// fused multiply-add takes the 128 off again (exact). 8-bit codes go through f32.
+template <int BITS>
+__device__ __forceinline__ u32 code_pair(const u32* w, int b, int p) {
+    if constexpr (BITS == 4) {
+        return bf16x2_fma(((w[b] >> (4 * p)) & 0x000f000fu) | 0x43004300u, 0x3f803f80u, 0xc300c300u);
+    } else {
+        const u32 lo = __float_as_uint((float)((w[2 * b] >> (8 * p)) & 0xffu)) >> 16;
+        const u32 hi = __float_as_uint((float)((w[2 * b + 1] >> (8 * p)) & 0xffu)) >> 16;
+        return lo | (hi << 16);
+    }
+}
+
 // Eight codes of one 8-column block as the bf16 pairs (column p, column p + 4), p = 0..3.
-// 4-bit: OR-ing a nibble into the mantissa of 128.0 gives 128 + q exactly; one fused
-// multiply-add takes the 128 off again (exact). 8-bit codes go through f32.
 template <int BITS>
 __device__ __forceinline__ uint4 codes_to_bf16(const u32 (&w)[BITS / 4]) {
-    u32 out[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        if constexpr (BITS == 4) {
-            out[p] = bf16x2_fma(((w[0] >> (4 * p)) & 0x000f000fu) | 0x43004300u, 0x3f803f80u, 0xc300c300u);
-        } else {
-            const u32 lo = __float_as_uint((float)((w[0] >> (8 * p)) & 0xffu)) >> 16;
-            const u32 hi = __float_as_uint((float)((w[1] >> (8 * p)) & 0xffu)) >> 16;
-            out[p] = lo | (hi << 16);
-        }
-    }
-    return make_uint4(out[0], out[1], out[2], out[3]);
+    return make_uint4(code_pair<BITS>(w, 0, 0), code_pair<BITS>(w, 0, 1), code_pair<BITS>(w, 0, 2),
+                      code_pair<BITS>(w, 0, 3));
 }
 
 // A split input (see split_bf16) with rows of ld columns (the product may read fewer).
@@ -124,12 +128,18 @@ struct __align__(16) TcGroup {
     float sx[TC_BN];  // sum of the group's activations per slot
 };
 
-// Two groups (the one being multiplied and the next, written meanwhile), and the slots. 75 KiB:
-// dynamic shared memory (TC_SMEM_BYTES in mod.rs; each kernel checks that it got enough).
-struct __align__(16) TcSmem {
-    TcGroup group[2];
+// A block's token slots: slot s reads split row xrow[s] (-1: an empty slot) and writes output
+// row yrow[s]. Both product cores keep them at the start of their shared memory.
+struct TileSlots {
     int xrow[TC_BN];
     float* yrow[TC_BN];
+};
+
+// The slots, then two groups (the one being multiplied and the next, written meanwhile). 75 KiB:
+// dynamic shared memory (TC_SMEM_BYTES in mod.rs; each kernel checks that it got enough).
+struct __align__(16) TcSmem {
+    TileSlots slots;
+    TcGroup group[2];
 };
 
 // The block's shared memory, trapping when the launch gave less than TcSmem needs.
@@ -171,7 +181,7 @@ __device__ __forceinline__ void tc_load(TcStage<BITS>& st, QMat w, SplitX x, con
         st.b = __ldg(w.biases + gi);
     }
     // Four threads per slot, 16 columns each.
-    const int row = sm.xrow[tid >> 2];
+    const int row = sm.slots.xrow[tid >> 2];
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const size_t at = (size_t)row * x.ld + g * 64 + (tid & 3) * 16;
 #pragma unroll
@@ -203,8 +213,8 @@ __device__ __forceinline__ void tc_store(const TcStage<BITS>& st, TcGroup& sm) {
     if ((tid & 3) == 0) sm.sx[slot] = st.xsum;
 }
 
-// The block's 128 rows [n0, n0 + 128) of `rows` against its slots (set in sm.xrow / sm.yrow,
-// and synchronised, by the caller) over `cols` columns; results written to the slots' rows.
+// The block's 128 rows [n0, n0 + 128) of `rows` against its slots (set in sm.slots, and
+// synchronised, by the caller) over `cols` columns; results written to the slots' rows.
 template <int BITS>
 __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0, int rows, int cols) {
     constexpr int MI = TC_BM / 32;  // 16-row tiles per warp
@@ -262,33 +272,270 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = n0 + row_of(mi, e), slot = slot_of(ni, e);
-                if (sm.xrow[slot] >= 0 && r < rows) sm.yrow[slot][r] = acc[mi][ni][e];
+                if (sm.slots.xrow[slot] >= 0 && r < rows) sm.slots.yrow[slot][r] = acc[mi][ni][e];
             }
 }
 
-// y[t][n] = sum_k w[n][k] * x[t][k], x split. Launch with 256 threads and (ceil(rows / 128),
-// ceil(tokens / 64)) blocks; cols a multiple of 64.
+// ---- Hopper (sm_90a): the same tile on warpgroup products (wgmma).
+//
+// Each of the block's four warpgroups multiplies 64 of its 256 rows by all 64 slots with
+// wgmma.m64n64k16: the weights as the A operand in registers, converted from the codes by the
+// thread that holds them (each code converted once, no shared copy of bf16 weights), the
+// activations as the B operand read by the tensor cores straight from shared memory (no ldmatrix).
+// Codes, activations and sums arrive by cp.async, WG_STAGES groups in flight. Per group the
+// exact split and the f32 scale and bias are as above. 256 rows a block (twice the mma core's)
+// because the activations, read from L2 once per block, are four bytes a value with the split:
+// per product they outweigh the codes, and their traffic halves with each doubling of the rows.
+
+constexpr int WG_BM = 256;
+constexpr int WG_THREADS = 512;
+// Stages of codes and activations (groups in flight).
+constexpr int WG_STAGES = 6;
+
+// One group's operands. x parts as wgmma's K-major operand with the 128-byte swizzle: slot s's 64
+// columns are the 128-byte row s, its 16-byte chunk c stored at chunk c ^ (s & 7), so that the
+// tensor cores reading the same columns of eight slots hit eight different banks (wg_x_at;
+// 1,024-byte aligned). Codes: row r's 2 * BITS words as BITS / 2 chunks, swizzled (wg_chunk) so
+// that the eight rows a warp reads at once fall in different banks.
 template <int BITS>
-__device__ __forceinline__ void qmma_dense(QMat w, SplitX x, float* y, int tokens, int rows, int cols) {
-    TcSmem& sm = tc_smem();
-    if (threadIdx.x < TC_BN) {
-        const int t = blockIdx.y * TC_BN + threadIdx.x;
-        sm.xrow[threadIdx.x] = t < tokens ? t : -1;
-        sm.yrow[threadIdx.x] = y + (size_t)t * rows;
-    }
-    __syncthreads();
-    tc_product<BITS>(w, x, sm, blockIdx.x * TC_BM, rows, cols);
+struct __align__(1024) WgStage {
+    u16 xh[TC_BN * 64];
+    u16 xl[TC_BN * 64];
+    u32 codes[WG_BM * 2 * BITS];
+    float sx[TC_BN];
+};
+
+// 151 KiB (4-bit) or 199 KiB (8-bit), and up to 1,023 bytes to align it: wg_smem_bytes in mod.rs.
+template <int BITS>
+struct __align__(1024) WgSmem {
+    WgStage<BITS> stage[WG_STAGES];
+    TileSlots slots;
+};
+
+// The block's shared memory, from the first 1,024-byte boundary of the dynamic allocation.
+template <int BITS>
+__device__ __forceinline__ WgSmem<BITS>& wg_smem() {
+    extern __shared__ __align__(16) unsigned char tc_smem_raw[];
+    require_dynamic_smem(sizeof(WgSmem<BITS>) + 1024);
+    return *reinterpret_cast<WgSmem<BITS>*>(tc_smem_raw + ((1024 - (smem_addr(tc_smem_raw) & 1023)) & 1023));
 }
 
-#define QMMA_DENSE(BITS)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)                                                \
-        q##BITS##_mma(QMat w, const u16* xh, const u16* xl, const float* xsum, float* y, int tokens, int rows, \
-                      int cols) {                                                                            \
-        grid_dep();                                                                                          \
-        qmma_dense<BITS>(w, {xh, xl, xsum, cols}, y, tokens, rows, cols);                                          \
+// Element offset of column chunk c (8 columns) of slot s in an x part (see WgStage).
+__device__ __forceinline__ int wg_x_at(int s, int c) { return s * 64 + ((c ^ (s & 7)) * 8); }
+
+// Where chunk c of code row r lies among the row's CH chunks.
+template <int CH>
+__device__ __forceinline__ int wg_chunk(int r, int c) {
+    return c ^ ((r >> (CH == 2 ? 2 : 1)) & (CH - 1));
+}
+
+// Shared-memory descriptor of an x part from column 16 kk (the K-major layout with the 128-byte
+// swizzle): start address, the leading-dimension offset (unused with this swizzle: 1), the
+// distance between 8-slot blocks (1,024 bytes), each in units of 16 bytes, and the swizzle mode.
+// The start moves 32 bytes a step inside the 1,024-byte aligned rows; the hardware applies the
+// swizzle to the addresses it forms.
+__device__ __forceinline__ u64 wg_desc(const u16* part, int kk) {
+    return (u64)((smem_addr(part + kk * 16) & 0x3ffffu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) |
+           ((u64)1 << 62);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// d (+)= a * b over 64 rows x 64 slots x 16 columns: a in registers (the m16n8k16 A fragment of
+// the warp's 16 rows), b by descriptor. Asynchronous until wgmma_wait.
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 b, int accumulate) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)
+        : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Keeps the compiler from moving register reads and writes of d across the asynchronous product.
+__device__ __forceinline__ void wgmma_hold(float (&d)[32]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Orders the cp.async writes (generic proxy) before the tensor cores' reads (async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+#endif
+
+// Starts the copies of group g into a stage: x parts and sums of the occupied slots, and the
+// codes of the rows in range (what stays stale only feeds outputs that are never written).
+template <int BITS>
+__device__ __forceinline__ void wg_load(WgStage<BITS>& st, const TileSlots& sl, QMat w, SplitX x, int n0, int rows,
+                                        int cols, int g) {
+    constexpr int CH = BITS / 2;
+    const int tid = threadIdx.x;
+    {
+        const int s = tid >> 3, c = tid & 7;  // one chunk of each part per thread
+        const int row = sl.xrow[s];
+        if (row >= 0) {
+            const size_t at = (size_t)row * x.ld + g * 64 + c * 8;
+            cp_async16(&st.xh[wg_x_at(s, c)], x.hi + at);
+            cp_async16(&st.xl[wg_x_at(s, c)], x.lo + at);
+        }
     }
-QMMA_DENSE(4)
-QMMA_DENSE(8)
+    const size_t words = (size_t)cols * BITS / 32;
+#pragma unroll
+    for (int j = 0; j < CH / 2; ++j) {
+        const int i = tid + j * WG_THREADS, r = i / CH, c = i % CH;
+        if (n0 + r < rows)
+            cp_async16(&st.codes[(r * CH + wg_chunk<CH>(r, c)) * 4],
+                       w.codes + (size_t)(n0 + r) * words + (size_t)g * 2 * BITS + c * 4);
+    }
+    if (tid < TC_BN) {
+        const int row = sl.xrow[tid];
+        if (row >= 0) cp_async4(&st.sx[tid], x.sum + (size_t)row * (x.ld >> 6) + g);
+    }
+}
+
+// The A fragments of the thread's rows r and r + 8 for the group's four 16-column steps.
+template <int BITS>
+__device__ __forceinline__ void wg_a_frags(u32 (&a)[4][4], const WgStage<BITS>& st, int r, int cq) {
+    constexpr int CH = BITS / 2;
+    u32 w0[2 * BITS], w1[2 * BITS];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+        const uint4 u = *reinterpret_cast<const uint4*>(&st.codes[(r * CH + wg_chunk<CH>(r, c)) * 4]);
+        const uint4 v = *reinterpret_cast<const uint4*>(&st.codes[((r + 8) * CH + wg_chunk<CH>(r + 8, c)) * 4]);
+        w0[4 * c] = u.x, w0[4 * c + 1] = u.y, w0[4 * c + 2] = u.z, w0[4 * c + 3] = u.w;
+        w1[4 * c] = v.x, w1[4 * c + 1] = v.y, w1[4 * c + 2] = v.z, w1[4 * c + 3] = v.w;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        a[kk][0] = code_pair<BITS>(w0, 2 * kk, cq);
+        a[kk][1] = code_pair<BITS>(w1, 2 * kk, cq);
+        a[kk][2] = code_pair<BITS>(w0, 2 * kk + 1, cq);
+        a[kk][3] = code_pair<BITS>(w1, 2 * kk + 1, cq);
+    }
+}
+
+// tc_product's contract on the warpgroup products.
+template <int BITS>
+__device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS>& sm, int n0, int rows, int cols) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, cq = lane & 3;
+    // The thread's block rows r and r + 8: warpgroup warp >> 2 takes 64 rows, each warp 16.
+    const int r = 64 * (warp >> 2) + 16 * (warp & 3) + gq;
+    const int groups = cols >> 6;
+    const TileSlots& sl = sm.slots;
+    float acc[32] = {};
+#pragma unroll
+    for (int s = 0; s < WG_STAGES - 1; ++s) {
+        if (s < groups) wg_load<BITS>(sm.stage[s], sl, w, x, n0, rows, cols, s);
+        cp_async_commit();
+    }
+    // Rows r and r + 8's scales and biases, loaded one group ahead of their use (a row past the
+    // matrix reads row 0's: its results are never written).
+    const size_t at0 = (size_t)(n0 + r < rows ? n0 + r : 0) * groups;
+    const size_t at1 = (size_t)(n0 + r + 8 < rows ? n0 + r + 8 : 0) * groups;
+    u16 s0 = __ldg(w.scales + at0), b0 = __ldg(w.biases + at0);
+    u16 s1 = __ldg(w.scales + at1), b1 = __ldg(w.biases + at1);
+    for (int g = 0; g < groups; ++g) {
+        const int gn = min(g + 1, groups - 1);
+        const u16 s0n = __ldg(w.scales + at0 + gn), b0n = __ldg(w.biases + at0 + gn);
+        const u16 s1n = __ldg(w.scales + at1 + gn), b1n = __ldg(w.biases + at1 + gn);
+        cp_async_wait_groups<WG_STAGES - 2>();
+        fence_proxy_async();
+        // Group g has landed for every thread, and every warpgroup has finished group g - 1,
+        // whose stage the next copies refill.
+        __syncthreads();
+        if (g + WG_STAGES - 1 < groups)
+            wg_load<BITS>(sm.stage[(g + WG_STAGES - 1) % WG_STAGES], sl, w, x, n0, rows, cols, g + WG_STAGES - 1);
+        cp_async_commit();
+        const WgStage<BITS>& st = sm.stage[g % WG_STAGES];
+        u32 a[4][4];
+        wg_a_frags<BITS>(a, st, r, cq);
+        float d[32];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            wgmma_rs(d, a[kk], wg_desc(st.xh, kk), kk > 0);
+            wgmma_rs(d, a[kk], wg_desc(st.xl, kk), 1);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        wgmma_hold(d);
+        const float fs0 = bf16_to_f32(s0), fb0 = bf16_to_f32(b0), fs1 = bf16_to_f32(s1), fb1 = bf16_to_f32(b1);
+        // d[4j + e]: row r + 8 (e >> 1), slot 8j + 2cq + (e & 1).
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 sx = *reinterpret_cast<const float2*>(&st.sx[8 * j + 2 * cq]);
+            acc[4 * j] = fmaf(fs0, d[4 * j], fmaf(fb0, sx.x, acc[4 * j]));
+            acc[4 * j + 1] = fmaf(fs0, d[4 * j + 1], fmaf(fb0, sx.y, acc[4 * j + 1]));
+            acc[4 * j + 2] = fmaf(fs1, d[4 * j + 2], fmaf(fb1, sx.x, acc[4 * j + 2]));
+            acc[4 * j + 3] = fmaf(fs1, d[4 * j + 3], fmaf(fb1, sx.y, acc[4 * j + 3]));
+        }
+        s0 = s0n, b0 = b0n, s1 = s1n, b1 = b1n;
+    }
+    cp_async_wait_all();
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int slot = 8 * j + 2 * cq + (e & 1), row = n0 + r + 8 * (e >> 1);
+            if (sl.xrow[slot] >= 0 && row < rows) sl.yrow[slot][row] = acc[4 * j + e];
+        }
+#else
+    __trap();  // the host launches these only on sm_90a
+#endif
+}
+
+// The product core of each kernel family: `mma` (any sm_80+) or `wgmma` (sm_90a), with the
+// weight rows of a block.
+template <bool WG>
+__device__ constexpr int tile_rows() {
+    return WG ? WG_BM : TC_BM;
+}
+template <bool WG, int BITS>
+__device__ __forceinline__ TileSlots& tile_slots() {
+    if constexpr (WG) return wg_smem<BITS>().slots;
+    else return tc_smem().slots;
+}
+template <bool WG, int BITS>
+__device__ __forceinline__ void tile_product(QMat w, SplitX x, int n0, int rows, int cols) {
+    if constexpr (WG) wg_product<BITS>(w, x, wg_smem<BITS>(), n0, rows, cols);
+    else tc_product<BITS>(w, x, tc_smem(), n0, rows, cols);
+}
+
+// y[t][n] = sum_k w[n][k] * x[t][k], x split. Launch with the core's threads (mma 256, wgmma 512)
+// and (ceil(rows / tile_rows), ceil(tokens / 64)) blocks; cols a multiple of 64.
+template <int BITS, bool WG>
+__device__ __forceinline__ void qmma_dense(QMat w, SplitX x, float* y, int tokens, int rows, int cols) {
+    TileSlots& sl = tile_slots<WG, BITS>();
+    if (threadIdx.x < TC_BN) {
+        const int t = blockIdx.y * TC_BN + threadIdx.x;
+        sl.xrow[threadIdx.x] = t < tokens ? t : -1;
+        sl.yrow[threadIdx.x] = y + (size_t)t * rows;
+    }
+    __syncthreads();
+    tile_product<WG, BITS>(w, x, blockIdx.x * tile_rows<WG>(), rows, cols);
+}
+
+// q4_mma, q8_mma (any sm_80+) and q4_wgmma, q8_wgmma (sm_90a).
+#define QMMA_DENSE(BITS, NAME, WG)                                                                             \
+    extern "C" __global__ void __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? 1 : 2)                                              \
+        q##BITS##_##NAME(QMat w, const u16* xh, const u16* xl, const float* xsum, float* y, int tokens, int rows, \
+                         int cols) {                                                                         \
+        grid_dep();                                                                                          \
+        qmma_dense<BITS, WG>(w, {xh, xl, xsum, cols}, y, tokens, rows, cols);                                \
+    }
+QMMA_DENSE(4, mma, false)
+QMMA_DENSE(8, mma, false)
+QMMA_DENSE(4, wgmma, true)
+QMMA_DENSE(8, wgmma, true)
 
 // ---- the routed experts grouped by expert. Pair p < pairs is token p / top_k's (p % top_k)-th
 // chosen expert ids[p]; with a shared expert, pair pairs + t is token t's, as the virtual expert
@@ -348,44 +595,44 @@ __device__ __forceinline__ QMat expert_mat(QMat stack, QMat shared, int e, int e
 
 // gu[p] = (gate_e . x[t] | up_e . x[t]) for every pair p, x split: gu rows hold 2 * stride floats
 // (stride = max(inter, inter_s)), the gate's products first, the up's from column stride. The
-// first ceil(stride / 128) blocks along y take gate rows, the rest up rows (SwiGLU follows in
-// swiglu_split_bf16). Launch with 256 threads and (max tiles, 2 * ceil(stride / 128)) blocks;
-// blocks past ntiles[0] return.
-template <int BITS>
+// first ceil(stride / tile_rows) blocks along y take gate rows, the rest up rows (SwiGLU follows
+// in swiglu_split_bf16). Launch with the core's threads and (max tiles, 2 * ceil(stride /
+// tile_rows)) blocks; blocks past ntiles[0] return.
+template <int BITS, bool WG>
 __device__ __forceinline__ void moe_gate_up_mma(QMat gate, QMat up, QMat sgate, QMat sup, const int* perm,
                                                 const int* tiles, const int* ntiles, SplitX x, float* gu,
                                                 int top_k, int pairs, int experts, int inter, int inter_s,
                                                 int hidden) {
-    TcSmem& sm = tc_smem();
+    TileSlots& sl = tile_slots<WG, BITS>();
     if ((int)blockIdx.x >= ntiles[0]) return;
     const int* tile = tiles + 3 * blockIdx.x;
     const int e = tile[0];
     const int rows = e == experts ? inter_s : inter;
     const int stride = max(inter, inter_s);
-    const int per = (stride + TC_BM - 1) / TC_BM;
+    const int per = (stride + tile_rows<WG>() - 1) / tile_rows<WG>();
     const bool is_up = (int)blockIdx.y >= per;
-    const int n0 = ((int)blockIdx.y - (is_up ? per : 0)) * TC_BM;
+    const int n0 = ((int)blockIdx.y - (is_up ? per : 0)) * tile_rows<WG>();
     if (n0 >= rows) return;
     if (threadIdx.x < TC_BN) {
         const bool used = (int)threadIdx.x < tile[2];
         const int p = used ? perm[tile[1] + threadIdx.x] : 0;
         const int t = p < pairs ? p / top_k : p - pairs;
-        sm.xrow[threadIdx.x] = used ? t : -1;
-        sm.yrow[threadIdx.x] = gu + (size_t)p * 2 * stride + (is_up ? stride : 0);
+        sl.xrow[threadIdx.x] = used ? t : -1;
+        sl.yrow[threadIdx.x] = gu + (size_t)p * 2 * stride + (is_up ? stride : 0);
     }
     __syncthreads();
     const QMat w = is_up ? expert_mat<BITS>(up, sup, e, experts, inter, hidden)
                          : expert_mat<BITS>(gate, sgate, e, experts, inter, hidden);
-    tc_product<BITS>(w, x, sm, n0, rows, hidden);
+    tile_product<WG, BITS>(w, x, n0, rows, hidden);
 }
 
-// y[p][c] = down_e[c] . act[p], act split with rows of stride columns. Launch with 256 threads
-// and (max tiles, ceil(hidden / 128)) blocks.
-template <int BITS>
+// y[p][c] = down_e[c] . act[p], act split with rows of stride columns. Launch with the core's
+// threads and (max tiles, ceil(hidden / tile_rows)) blocks.
+template <int BITS, bool WG>
 __device__ __forceinline__ void moe_down_mma(QMat down, QMat sdown, const int* perm, const int* tiles,
                                              const int* ntiles, SplitX act, float* y, int experts,
                                              int inter, int inter_s, int hidden) {
-    TcSmem& sm = tc_smem();
+    TileSlots& sl = tile_slots<WG, BITS>();
     if ((int)blockIdx.x >= ntiles[0]) return;
     const int* tile = tiles + 3 * blockIdx.x;
     const int e = tile[0];
@@ -394,30 +641,33 @@ __device__ __forceinline__ void moe_down_mma(QMat down, QMat sdown, const int* p
     if (threadIdx.x < TC_BN) {
         const bool used = (int)threadIdx.x < tile[2];
         const int p = used ? perm[tile[1] + threadIdx.x] : 0;
-        sm.xrow[threadIdx.x] = used ? p : -1;
-        sm.yrow[threadIdx.x] = y + (size_t)p * hidden;
+        sl.xrow[threadIdx.x] = used ? p : -1;
+        sl.yrow[threadIdx.x] = y + (size_t)p * hidden;
     }
     __syncthreads();
-    tc_product<BITS>(expert_mat<BITS>(down, sdown, e, experts, hidden, inter), act, sm, blockIdx.y * TC_BM,
-                     hidden, cols);
+    tile_product<WG, BITS>(expert_mat<BITS>(down, sdown, e, experts, hidden, inter), act, blockIdx.y * tile_rows<WG>(),
+                           hidden, cols);
 }
 
-#define MOE_MMA_KERNELS(BITS)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) q##BITS##_moe_gate_up_mma(                     \
+// q4_moe_gate_up_mma, q4_moe_down_mma, ... and the _wgmma pairs (sm_90a).
+#define MOE_MMA_KERNELS(BITS, NAME, WG)                                                                        \
+    extern "C" __global__ void __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? 1 : 2) q##BITS##_moe_gate_up_##NAME(                  \
         QMat gate, QMat up, QMat sgate, QMat sup, const int* perm, const int* tiles, const int* ntiles,        \
         const u16* xh, const u16* xl, const float* xsum, float* gu, int top_k, int pairs, int experts,         \
         int inter, int inter_s, int hidden) {                                                                  \
         grid_dep();                                                                                            \
-        moe_gate_up_mma<BITS>(gate, up, sgate, sup, perm, tiles, ntiles, {xh, xl, xsum, hidden}, gu, top_k,    \
-                              pairs, experts, inter, inter_s, hidden);                                         \
+        moe_gate_up_mma<BITS, WG>(gate, up, sgate, sup, perm, tiles, ntiles, {xh, xl, xsum, hidden}, gu, top_k, \
+                                  pairs, experts, inter, inter_s, hidden);                                     \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2)                                                   \
-        q##BITS##_moe_down_mma(QMat down, QMat sdown, const int* perm, const int* tiles, const int* ntiles,    \
-                               const u16* ah, const u16* al, const float* asum, float* y, int experts,         \
-                               int inter, int inter_s, int hidden) {                                           \
+    extern "C" __global__ void __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? 1 : 2)                                                \
+        q##BITS##_moe_down_##NAME(QMat down, QMat sdown, const int* perm, const int* tiles, const int* ntiles, \
+                                  const u16* ah, const u16* al, const float* asum, float* y, int experts,      \
+                                  int inter, int inter_s, int hidden) {                                        \
         grid_dep();                                                                                            \
-        moe_down_mma<BITS>(down, sdown, perm, tiles, ntiles, {ah, al, asum, max(inter, inter_s)}, y, experts,  \
-                           inter, inter_s, hidden);                                                            \
+        moe_down_mma<BITS, WG>(down, sdown, perm, tiles, ntiles, {ah, al, asum, max(inter, inter_s)}, y,       \
+                               experts, inter, inter_s, hidden);                                               \
     }
-MOE_MMA_KERNELS(4)
-MOE_MMA_KERNELS(8)
+MOE_MMA_KERNELS(4, mma, false)
+MOE_MMA_KERNELS(8, mma, false)
+MOE_MMA_KERNELS(4, wgmma, true)
+MOE_MMA_KERNELS(8, wgmma, true)
