@@ -310,6 +310,9 @@ template <int BITS>
 struct __align__(1024) WgSmem {
     WgStage<BITS> stage[WG_STAGES];
     TileSlots slots;
+    // Per stage: `full` completes a phase when every thread's copies of its group have landed,
+    // `empty` when every warp has finished with that group (wg_product).
+    u64 full[WG_STAGES], empty[WG_STAGES];
 };
 
 // The block's shared memory, from the first 1,024-byte boundary of the dynamic allocation.
@@ -368,6 +371,24 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[32]) {
 }
 // Orders the cp.async writes (generic proxy) before the tensor cores' reads (async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void mbar_init(u64* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// One arrival, once every cp.async this thread has issued so far has landed.
+__device__ __forceinline__ void mbar_arrive_copies(u64* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(smem_addr(bar)) : "memory");
+}
+// Returns once the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(u64* bar, int parity) {
+    asm volatile(
+        "{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; @!done bra WAIT; }" ::"r"(
+            smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
 #endif
 
 // Starts the copies of group g into a stage: x parts and sums of the occupied slots, and the
@@ -432,11 +453,26 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS>& sm, i
     const int groups = cols >> 6;
     const TileSlots& sl = sm.slots;
     float acc[32] = {};
-#pragma unroll
-    for (int s = 0; s < WG_STAGES - 1; ++s) {
-        if (s < groups) wg_load<BITS>(sm.stage[s], sl, w, x, n0, rows, cols, s);
-        cp_async_commit();
-    }
+    // Stages cycle through groups g, g + S, ...: phase k of full[g % S] is group g + kS landed,
+    // phase k of empty[g % S] every warp done with it. No block-wide barrier per group: a
+    // warpgroup waits only for its group's copies, and the copies of group G into a stage wait
+    // only for the warps to finish group G - S, so the warpgroups drift apart and one's products
+    // run while another folds its results and converts its next codes.
+    constexpr int S = WG_STAGES;
+    if (tid == 0)
+        for (int i = 0; i < S; ++i) {
+            mbar_init(&sm.full[i], WG_THREADS);
+            mbar_init(&sm.empty[i], WG_THREADS / 32);
+        }
+    __syncthreads();
+    // Group G's copies into its stage, then this thread's arrival on the stage's `full`.
+    auto load = [&](int G) {
+        if (G >= groups) return;
+        if (G >= S) mbar_wait(&sm.empty[G % S], (G / S - 1) & 1);
+        wg_load<BITS>(sm.stage[G % S], sl, w, x, n0, rows, cols, G);
+        mbar_arrive_copies(&sm.full[G % S]);
+    };
+    for (int G = 0; G < S - 2; ++G) load(G);
     // Rows r and r + 8's scales and biases, loaded one group ahead of their use (a row past the
     // matrix reads row 0's: its results are never written).
     const size_t at0 = (size_t)(n0 + r < rows ? n0 + r : 0) * groups;
@@ -447,15 +483,9 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS>& sm, i
         const int gn = min(g + 1, groups - 1);
         const u16 s0n = __ldg(w.scales + at0 + gn), b0n = __ldg(w.biases + at0 + gn);
         const u16 s1n = __ldg(w.scales + at1 + gn), b1n = __ldg(w.biases + at1 + gn);
-        cp_async_wait_groups<WG_STAGES - 2>();
+        mbar_wait(&sm.full[g % S], (g / S) & 1);
         fence_proxy_async();
-        // Group g has landed for every thread, and every warpgroup has finished group g - 1,
-        // whose stage the next copies refill.
-        __syncthreads();
-        if (g + WG_STAGES - 1 < groups)
-            wg_load<BITS>(sm.stage[(g + WG_STAGES - 1) % WG_STAGES], sl, w, x, n0, rows, cols, g + WG_STAGES - 1);
-        cp_async_commit();
-        const WgStage<BITS>& st = sm.stage[g % WG_STAGES];
+        const WgStage<BITS>& st = sm.stage[g % S];
         u32 a[4][4];
         wg_a_frags<BITS>(a, st, r, cq);
         float d[32];
@@ -479,6 +509,12 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS>& sm, i
             acc[4 * j + 3] = fmaf(fs1, d[4 * j + 3], fmaf(fb1, sx.y, acc[4 * j + 3]));
         }
         s0 = s0n, b0 = b0n, s1 = s1n, b1 = b1n;
+        // This warp is done with the stage (its products waited for, its sums read).
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&sm.empty[g % S]);
+        // Four groups ahead: its stage held group g - 2, which a warpgroup up to two groups
+        // behind this one may still be reading.
+        load(g + S - 2);
     }
     cp_async_wait_all();
 #pragma unroll
