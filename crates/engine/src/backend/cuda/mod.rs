@@ -185,6 +185,7 @@ impl Kernels {
             core = if wgmma { "wgmma" } else { "mma" },
             "prefill products on the tensor cores"
         );
+        // Rows and threads per block: WG_BM, WG_THREADS and TC_BM, TC_THREADS in qmma.cu.
         let (core, mma_smem, mma_rows, mma_threads) = if wgmma {
             ("wgmma", [wg_smem_bytes(4), wg_smem_bytes(8)], 256, 512)
         } else {
@@ -543,9 +544,9 @@ const PREFILL_CHUNK: usize = 4096;
 /// rows of codes and 64 slots of hi/lo activations, 72-element pitch, scales, biases and sums;
 /// then the slots' rows). The kernels trap if a launch gives them less.
 const TC_SMEM_BYTES: usize = 2 * (2 * (128 + 2 * 64) * 72 + 4 * (2 * 128 + 64)) + 64 * (4 + 8);
-/// Shared memory of a warpgroup product block (`WgSmem<BITS>`, kernels/qmma.cu): the slots, then
-/// six stages of 64 slots' hi and lo activations (64 columns each), 256 rows of codes and the
-/// slots' sums, then the slots.
+/// Shared memory of a warpgroup product block (`WgSmem<BITS>`, kernels/qmma.cu): six stages of 64
+/// slots' hi and lo activations (64 columns each), 256 rows of codes and the slots' sums, then
+/// the slots and the stages' mbarriers (under 1,024 bytes).
 fn wg_smem_bytes(bits: usize) -> usize {
     let stage = 2 * 64 * 64 * 2 + 256 * 2 * bits * 4 + 64 * 4;
     // Stages and the whole are 1,024-byte aligned; 1,024 more to align the start.

@@ -98,11 +98,6 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-// All but the N most recently committed groups have landed.
-template <int N>
-__device__ __forceinline__ void cp_async_wait_groups() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 // All but the most recently committed group have landed.
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 

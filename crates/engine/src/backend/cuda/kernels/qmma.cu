@@ -282,10 +282,11 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
 // wgmma.m64n64k16: the weights as the A operand in registers, converted from the codes by the
 // thread that holds them (each code converted once, no shared copy of bf16 weights), the
 // activations as the B operand read by the tensor cores straight from shared memory (no ldmatrix).
-// Codes, activations and sums arrive by cp.async, WG_STAGES groups in flight. Per group the
-// exact split and the f32 scale and bias are as above. 256 rows a block (twice the mma core's)
-// because the activations, read from L2 once per block, are four bytes a value with the split:
-// per product they outweigh the codes, and their traffic halves with each doubling of the rows.
+// Codes, activations and sums arrive by cp.async, four groups ahead, each stage handed over by
+// mbarriers (wg_product). Per group the exact split and the f32 scale and bias are as above.
+// 256 rows a block (twice the mma core's) because the activations, read from L2 once per block,
+// are four bytes a value with the split: per product they outweigh the codes, and their traffic
+// halves with each doubling of the rows.
 
 constexpr int WG_BM = 256;
 constexpr int WG_THREADS = 512;
@@ -369,7 +370,8 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[32]) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// Orders the cp.async writes (generic proxy) before the tensor cores' reads (async proxy).
+// Orders the shared-memory data this thread has seen land (cp.async copies, through an mbarrier)
+// before the tensor cores' reads of it (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void mbar_init(u64* bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
