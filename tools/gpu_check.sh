@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, in one device call, from the repository root:
-#   parity  - the CUDA op-parity tests and the CUDA end-to-end golden tests (test binaries)
+#   parity  - the CUDA op-parity tests (on Hopper also with LILY_CUDA_WGMMA=0, the sm_80 product
+#             kernels) and the CUDA end-to-end golden tests (test binaries)
 #   api     - the API test suite against `lily serve --device cuda` on the tiny fixture
 #   synth   - `lily synth --preset 35b-a3b` into /tmp (kept while the machine stays warm)
 #   api35   - the API test suite against `lily serve --device cuda` on the synthetic 35B
@@ -29,24 +30,22 @@ T0=$(date +%s)
 note() { printf '[%4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
 record() { SUMMARY+=("$1|$2"); note "$1: $2"; }
 
-phase_parity() {
-  for t in cuda_parity golden; do
-    note "test binary $t"
-    if ./.device/$t --test-threads=1 --nocapture >"$OUT/$t.log" 2>&1; then
-      record "$t" "pass ($(grep -o '[0-9]* passed' "$OUT/$t.log" | tail -1); $(grep -c SKIPPED "$OUT/$t.log") skipped)"
-    else
-      record "$t" "FAIL (see $t.log)"
-      grep -E 'panicked|FAILED|failed' "$OUT/$t.log" | head -20
-    fi
-  done
-  # On Hopper the prefill products run on the warpgroup kernels; check the sm_80 ones too.
-  note "test binary cuda_parity with LILY_CUDA_WGMMA=0"
-  if LILY_CUDA_WGMMA=0 ./.device/cuda_parity --test-threads=1 --nocapture >"$OUT/cuda_parity-mma.log" 2>&1; then
-    record "cuda_parity (mma core)" "pass ($(grep -o '[0-9]* passed' "$OUT/cuda_parity-mma.log" | tail -1))"
+run_test_bin() { # label log binary [VAR=value ...]
+  local label=$1 log=$2 bin=$3
+  shift 3
+  note "test binary $label"
+  if env "$@" ./.device/$bin --test-threads=1 --nocapture >"$OUT/$log" 2>&1; then
+    record "$label" "pass ($(grep -o '[0-9]* passed' "$OUT/$log" | tail -1); $(grep -c SKIPPED "$OUT/$log") skipped)"
   else
-    record "cuda_parity (mma core)" "FAIL (see cuda_parity-mma.log)"
-    grep -E 'panicked|FAILED|failed' "$OUT/cuda_parity-mma.log" | head -20
+    record "$label" "FAIL (see $log)"
+    grep -E 'panicked|FAILED|failed' "$OUT/$log" | head -20
   fi
+}
+
+phase_parity() {
+  for t in cuda_parity golden; do run_test_bin "$t" "$t.log" "$t"; done
+  # On Hopper the prefill products run on the warpgroup kernels; check the sm_80 ones too.
+  run_test_bin "cuda_parity (mma core)" cuda_parity-mma.log cuda_parity LILY_CUDA_WGMMA=0
   grep -E 'nmse|greedy tokens identical|GB/s' "$OUT"/cuda_parity.log "$OUT"/golden.log | sed 's|.*/||' >"$OUT/parity-summary.txt"
 }
 

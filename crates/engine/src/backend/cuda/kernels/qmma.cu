@@ -129,7 +129,7 @@ struct __align__(16) TcGroup {
 };
 
 // A block's token slots: slot s reads split row xrow[s] (-1: an empty slot) and writes output
-// row yrow[s]. Both product cores keep them at the start of their shared memory.
+// row yrow[s]. Each product core keeps them in its shared memory (tile_slots).
 struct TileSlots {
     int xrow[TC_BN];
     float* yrow[TC_BN];
