@@ -677,24 +677,24 @@ fn quantized_gemv_bandwidth_is_reported() {
     }
 }
 
-fn fused_on<B: Backend>(b: &B, ws: &[QWeight], x: &[f32], y: &[f32], g: &[f32]) -> Vec<Vec<f32>> {
+fn fused_on<B: Backend>(b: &B, ws: &[QWeight], t: usize, [x, y, g]: [&[f32]; 3]) -> Vec<Vec<f32>> {
     let cols = ws[0].cols;
     let qs: Vec<_> = ws
         .iter()
         .map(|w| b.upload_qmatrix(clone_q(w)).expect("w"))
         .collect();
     let refs: Vec<_> = qs.iter().collect();
-    let xt = up(b, x, 1, cols);
+    let xt = up(b, x, t, cols);
     let mut outs: Vec<Vec<f32>> = b
         .qmatmul_many(&xt, &refs)
         .expect("qmatmul_many")
         .iter()
         .map(|t| down(b, t))
         .collect();
-    let mut acc = up(b, x, 1, cols);
+    let mut acc = up(b, x, t, cols);
     let gain = b.upload_vector(g).expect("gain");
     let normed = b
-        .add_rms_norm(&mut acc, &up(b, y, 1, cols), &gain, 1e-6)
+        .add_rms_norm(&mut acc, &up(b, y, t, cols), &gain, 1e-6)
         .expect("add_rms_norm");
     outs.push(down(b, &acc));
     outs.push(down(b, &normed));
@@ -711,7 +711,9 @@ fn fused_projections_and_residual_norm_match() {
     // The MoE block's shape: two 8-bit matrices, then two 4-bit ones; a run of five 4-bit
     // matrices (more than one launch holds; the GDN in-projections' four walk their rows on a
     // grid of two blocks per SM, `gemv_batch_stream`); the attention in-projections; odd row
-    // counts (four-row warps instead of the walk); 8-bit rows walked.
+    // counts (four-row warps instead of the walk); 8-bit rows walked. One token (the
+    // matrix-vector kernels) and 40 (the tensor cores: each launch of up to four matrices of one
+    // bit width, with a partial tile of tokens).
     let sets: [Vec<(usize, u32)>; 5] = [
         vec![(256, 8), (1, 8), (512, 4), (512, 4)],
         vec![(8192, 4), (4096, 4), (32, 4), (32, 4), (100, 4)],
@@ -724,14 +726,16 @@ fn fused_projections_and_residual_norm_match() {
             .iter()
             .map(|&(r, bits)| qweight(&mut rng, r, cols, bits))
             .collect();
-        let x = randn(&mut rng, cols, 1.0);
-        let y = randn(&mut rng, cols, 1.0);
-        let g = randn(&mut rng, cols, 1.0);
-        let got = fused_on(&gpu, &ws, &x, &y, &g);
-        let want = fused_on(&cpu, &ws, &x, &y, &g);
-        assert_eq!(got.len(), want.len());
-        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-            close(&format!("fused output {i} of {set:?}"), a, b);
+        for t in [1, 40] {
+            let x = randn(&mut rng, t * cols, 1.0);
+            let y = randn(&mut rng, t * cols, 1.0);
+            let g = randn(&mut rng, cols, 1.0);
+            let got = fused_on(&gpu, &ws, t, [&x, &y, &g]);
+            let want = fused_on(&cpu, &ws, t, [&x, &y, &g]);
+            assert_eq!(got.len(), want.len());
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                close(&format!("fused output {i} of {set:?}, T={t}"), a, b);
+            }
         }
     }
 }

@@ -130,13 +130,9 @@ struct Kernels {
     /// `[bits]`: one token's router product with its top-k (`router_topk`).
     router_topk: [CudaFunction; 2],
     /// Tensor-core products for prefill (kernels/qmma.cu): the warpgroup (`wgmma`) kernels on
-    /// sm_90a, the `mma` ones elsewhere.
-    mma: [CudaFunction; 2],
-    /// How the product kernels in use are launched: `[bits]` dynamic shared memory, weight rows
-    /// and threads per block.
-    mma_smem: [usize; 2],
-    mma_rows: u32,
-    mma_threads: u32,
+    /// sm_90a, the `mma` ones elsewhere, with 64 token slots a tile; and on sm_90a the 16-slot
+    /// tiles for products whose 64-slot grid would leave SMs idle (`ProductShapes::pick`).
+    products: ProductShapes,
     embed: [CudaFunction; 2],
     /// `[bits][variant]` as `gemv`.
     moe_gate_up: [[CudaFunction; 3]; 2],
@@ -144,8 +140,6 @@ struct Kernels {
     moe_group: CudaFunction,
     split_bf16: CudaFunction,
     swiglu_split_bf16: CudaFunction,
-    moe_gate_up_mma: [CudaFunction; 2],
-    moe_down_mma: [CudaFunction; 2],
     moe_combine: CudaFunction,
     moe_combine_add_rms_norm: CudaFunction,
     moe_route: CudaFunction,
@@ -186,21 +180,56 @@ impl Kernels {
             "prefill products on the tensor cores"
         );
         // Rows and threads per block: WG_BM, WG_THREADS and TC_BM, TC_THREADS in qmma.cu.
-        let (core, mma_smem, mma_rows, mma_threads) = if wgmma {
-            ("wgmma", [wg_smem_bytes(4), wg_smem_bytes(8)], 256, 512)
-        } else {
-            ("mma", [TC_SMEM_BYTES; 2], 128, 256)
+        let shape = |core: &str, slots: u32| -> Result<ProductShape> {
+            let (smem, rows, threads) = if wgmma {
+                let smem = [
+                    wg_smem_bytes(4, slots as usize),
+                    wg_smem_bytes(8, slots as usize),
+                ];
+                (smem, 256, 512)
+            } else {
+                ([TC_SMEM_BYTES; 2], 128, 256)
+            };
+            // The products take more shared memory than a launch gets without opting in.
+            let kernels = |name: &str| -> Result<[CudaFunction; 2]> {
+                let pair = [
+                    dev.function("qmma", &format!("q4_{name}{core}"))?,
+                    dev.function("qmma", &format!("q8_{name}{core}"))?,
+                ];
+                for (func, &bytes) in pair.iter().zip(&smem) {
+                    allow_dynamic_smem(func, bytes)?;
+                }
+                Ok(pair)
+            };
+            let dense = kernels("")?;
+            let per_sm = [0, 1].map(|b| {
+                dense[b]
+                    .occupancy_max_active_blocks_per_multiprocessor(threads, smem[b], None)
+                    .map_or(1, |n| n.max(1) as usize)
+            });
+            Ok(ProductShape {
+                dense,
+                moe_gate_up: kernels("moe_gate_up_")?,
+                moe_down: kernels("moe_down_")?,
+                smem,
+                per_sm,
+                rows,
+                slots,
+                threads,
+            })
         };
-        // The tensor-core products take more shared memory than a launch gets without opting in.
-        let tc = |name: &str| -> Result<[CudaFunction; 2]> {
-            let pair = [
-                dev.function("qmma", &format!("q4_{name}{core}"))?,
-                dev.function("qmma", &format!("q8_{name}{core}"))?,
-            ];
-            for (func, &bytes) in pair.iter().zip(&mma_smem) {
-                allow_dynamic_smem(func, bytes)?;
+        // `LILY_CUDA_TILE_SLOTS=64` or `=16` fixes the slots of the wgmma tiles (to test or
+        // compare either), else each launch picks.
+        let fixed_slots = std::env::var("LILY_CUDA_TILE_SLOTS").ok();
+        let products = if wgmma {
+            let (full, n16) = (shape("wgmma", 64)?, shape("wgmma_n16", 16)?);
+            match fixed_slots.as_deref() {
+                Some("64") => ProductShapes::One(full),
+                Some("16") => ProductShapes::One(n16),
+                _ => ProductShapes::Two { full, n16 },
             }
-            Ok(pair)
+        } else {
+            ProductShapes::One(shape("mma", 64)?)
         };
         let f = |family: &'static str, name: &str| dev.function(family, name);
         let pair_in = |family: &'static str, name: &str| -> Result<[CudaFunction; 2]> {
@@ -238,18 +267,13 @@ impl Kernels {
             gemv_batch_stream: pair("gemv_batch_stream")?,
             moe_gate_up_stream: pair("moe_gate_up_stream")?,
             router_topk: pair("router_topk")?,
-            mma: tc("")?,
-            mma_smem,
-            mma_rows,
-            mma_threads,
+            products,
             embed: pair("embed")?,
             moe_gate_up: variants("moe_gate_up")?,
             moe_down: variants("moe_down")?,
             moe_group: f("qmma", "moe_group")?,
             split_bf16: f("qmma", "split_bf16")?,
             swiglu_split_bf16: f("qmma", "swiglu_split_bf16")?,
-            moe_gate_up_mma: tc("moe_gate_up_")?,
-            moe_down_mma: tc("moe_down_")?,
             moe_combine: f("quant", "moe_combine")?,
             moe_combine_add_rms_norm: f("pointwise", "moe_combine_add_rms_norm")?,
             moe_route: f("quant", "moe_route")?,
@@ -544,13 +568,81 @@ const PREFILL_CHUNK: usize = 4096;
 /// rows of codes and 64 slots of hi/lo activations, 72-element pitch, scales, biases and sums;
 /// then the slots' rows). The kernels trap if a launch gives them less.
 const TC_SMEM_BYTES: usize = 2 * (2 * (128 + 2 * 64) * 72 + 4 * (2 * 128 + 64)) + 64 * (4 + 8);
-/// Shared memory of a warpgroup product block (`WgSmem<BITS>`, kernels/qmma.cu): six stages of 64
-/// slots' hi and lo activations (64 columns each), 256 rows of codes and the slots' sums, then
-/// the slots and the stages' mbarriers (under 1,024 bytes).
-fn wg_smem_bytes(bits: usize) -> usize {
-    let stage = 2 * 64 * 64 * 2 + 256 * 2 * bits * 4 + 64 * 4;
+/// Shared memory of a warpgroup product block (`WgSmem<BITS, N>`, kernels/qmma.cu): six stages
+/// of `slots` slots' hi and lo activations (64 columns each), 256 rows of codes and the slots'
+/// sums, then the slots and the stages' mbarriers (under 1,024 bytes).
+fn wg_smem_bytes(bits: usize, slots: usize) -> usize {
+    let stage = 2 * slots * 64 * 2 + 256 * 2 * bits * 4 + slots * 4;
     // Stages and the whole are 1,024-byte aligned; 1,024 more to align the start.
     6 * stage.next_multiple_of(1024) + 1024 + 1024
+}
+
+/// One tile shape of the tensor-core products (kernels/qmma.cu): its kernels by bits and how
+/// they are launched.
+struct ProductShape {
+    dense: [CudaFunction; 2],
+    moe_gate_up: [CudaFunction; 2],
+    moe_down: [CudaFunction; 2],
+    /// `[bits]` dynamic shared memory, and the blocks an SM holds at once.
+    smem: [usize; 2],
+    per_sm: [usize; 2],
+    /// Weight rows, token slots and threads per block.
+    rows: u32,
+    slots: u32,
+    threads: u32,
+}
+
+/// The product tiles in use: one shape, or on sm_90a 64-slot tiles and 16-slot ones.
+enum ProductShapes {
+    One(ProductShape),
+    Two {
+        full: ProductShape,
+        n16: ProductShape,
+    },
+}
+
+impl ProductShapes {
+    /// The shape for a product (`bits` index `b`) whose 64-slot tiles would take `blocks`
+    /// blocks: 16 slots when the four times as many 16-slot blocks all fit on the GPU at once
+    /// (each does a quarter of the products per group, and 4-bit ones fit two an SM), else 64.
+    /// At 256 tokens they take the output projections and the router and, with the experts' 16-slot
+    /// tiles, make prefill 7,640 tok/s against 6,041; where they would need a second wave they
+    /// lose (docs/performance.md).
+    fn pick(&self, blocks: usize, b: usize, sms: usize) -> &ProductShape {
+        match self {
+            ProductShapes::One(shape) => shape,
+            ProductShapes::Two { full, n16 } => {
+                let n16_blocks = blocks * (full.slots / n16.slots) as usize;
+                if n16_blocks <= n16.per_sm[b] * sms {
+                    n16
+                } else {
+                    full
+                }
+            }
+        }
+    }
+
+    /// The shape for the grouped expert products of `pairs` pairs over `groups` experts: 16
+    /// slots when the experts see 16 pairs each or fewer on average (64-slot tiles would be
+    /// mostly empty), else 64.
+    fn pick_grouped(&self, pairs: usize, groups: usize) -> &ProductShape {
+        match self {
+            ProductShapes::One(shape) => shape,
+            ProductShapes::Two { full, n16 } => {
+                if pairs <= 16 * groups {
+                    n16
+                } else {
+                    full
+                }
+            }
+        }
+    }
+
+    fn full(&self) -> &ProductShape {
+        match self {
+            ProductShapes::One(shape) | ProductShapes::Two { full: shape, .. } => shape,
+        }
+    }
 }
 /// How each matrix-vector variant (`GEMV_VARIANTS`, kernels/quant.cu) is launched.
 #[derive(Clone, Copy)]
@@ -1010,32 +1102,48 @@ impl CudaBackend {
     }
 
     /// `out = x @ w^T` on the tensor cores, `x` split (`out` is `[tokens, w.rows]`).
-    fn qmma(&self, x: &Split, w: &CudaQMatrix, out: &CudaTensor) -> Result<()> {
-        let b = bits_index(w.bits, &w.name)?;
-        let tokens = out.rows;
-        if tokens == 0 || w.rows == 0 {
-            return Ok(());
+    /// The products of `tokens` split rows by up to four matrices of one bit width, in one
+    /// launch on the tensor cores: the blocks of all of them share the GPU, so a matrix of a few
+    /// rows (one tile) runs beside the others instead of after them.
+    fn qmma(
+        &self,
+        x: &Split,
+        cols: usize,
+        ws: &[&CudaQMatrix],
+        tokens: usize,
+    ) -> Result<Vec<CudaTensor>> {
+        let b = bits_index(ws[0].bits, &ws[0].name)?;
+        let full = self.k.products.full();
+        let blocks: usize = ws
+            .iter()
+            .map(|w| w.rows.div_ceil(full.rows as usize) * tokens.div_ceil(full.slots as usize))
+            .sum();
+        let p = self.k.products.pick(blocks, b, self.sms);
+        let (batch, row_blocks, outs) = self.qbatch(cols, ws, p.rows as usize, tokens)?;
+        if tokens > 0 && row_blocks > 0 {
+            launch!(
+                self,
+                p.dense[b],
+                cfg(
+                    (row_blocks as u32, (tokens as u32).div_ceil(p.slots)),
+                    p.threads,
+                    p.smem[b]
+                ),
+                [
+                    batch,
+                    x.hi.ptr,
+                    x.lo.ptr,
+                    x.sum.ptr,
+                    tokens as i32,
+                    cols as i32
+                ],
+                bytes = ws
+                    .iter()
+                    .map(|w| qbytes(w.rows, w.cols, w.bits))
+                    .sum::<u64>()
+            )?;
         }
-        let grid = (
-            (w.rows as u32).div_ceil(self.k.mma_rows),
-            (tokens as u32).div_ceil(64),
-        );
-        launch!(
-            self,
-            self.k.mma[b],
-            cfg(grid, self.k.mma_threads, self.k.mma_smem[b]),
-            [
-                self.qarg(w),
-                x.hi.ptr,
-                x.lo.ptr,
-                x.sum.ptr,
-                self.ptr(&out.buf),
-                tokens as i32,
-                w.rows as i32,
-                w.cols as i32
-            ],
-            bytes = qbytes(w.rows, w.cols, w.bits)
-        )
+        Ok(outs)
     }
 
     /// The expert products of `moe` on the tensor cores: the pairs (and the shared expert's
@@ -1069,8 +1177,9 @@ impl CudaBackend {
                 MAX_EXPERT_GROUPS - 1
             )));
         }
-        // Each expert's run of pairs is cut into tiles of 64: at most one partial tile each.
-        let max_tiles = all.div_ceil(64) + groups;
+        // Each expert's run of pairs is cut into tiles of `slots`: at most one partial tile each.
+        let p = self.k.products.pick_grouped(all, groups);
+        let max_tiles = all.div_ceil(p.slots as usize) + groups;
         let perm = self.tmp::<i32>(all)?;
         let tiles = self.tmp::<i32>(3 * max_tiles)?;
         let ntiles = self.tmp::<i32>(1)?;
@@ -1084,6 +1193,7 @@ impl CudaBackend {
                 t as i32,
                 e as i32,
                 i32::from(with_shared),
+                p.slots as i32,
                 perm.ptr,
                 tiles.ptr,
                 ntiles.ptr
@@ -1103,14 +1213,11 @@ impl CudaBackend {
         };
         launch!(
             self,
-            self.k.moe_gate_up_mma[b],
+            p.moe_gate_up[b],
             cfg(
-                (
-                    max_tiles as u32,
-                    2 * (stride as u32).div_ceil(self.k.mma_rows)
-                ),
-                self.k.mma_threads,
-                self.k.mma_smem[b]
+                (max_tiles as u32, 2 * (stride as u32).div_ceil(p.rows)),
+                p.threads,
+                p.smem[b]
             ),
             [
                 self.qarg(gate),
@@ -1138,11 +1245,11 @@ impl CudaBackend {
         drop(gu);
         launch!(
             self,
-            self.k.moe_down_mma[b],
+            p.moe_down[b],
             cfg(
-                (max_tiles as u32, (hidden as u32).div_ceil(self.k.mma_rows)),
-                self.k.mma_threads,
-                self.k.mma_smem[b]
+                (max_tiles as u32, (hidden as u32).div_ceil(p.rows)),
+                p.threads,
+                p.smem[b]
             ),
             [
                 self.qarg(down),
@@ -1178,13 +1285,14 @@ impl CudaBackend {
         cols: usize,
         ws: &[&CudaQMatrix],
         rows_per_block: usize,
+        tokens: usize,
     ) -> Result<(QBatch, i32, Vec<CudaTensor>)> {
         let mut batch = QBatch::default();
         let mut blocks = 0i32;
         let mut outs = Vec::with_capacity(ws.len());
         for (m, w) in ws.iter().enumerate() {
             self.check_q(cols, w)?;
-            let out = self.tensor(1, w.rows)?;
+            let out = self.tensor(tokens, w.rows)?;
             batch.codes[m] = self.ptr(&w.codes);
             batch.scales[m] = self.ptr(&w.scales);
             batch.biases[m] = self.ptr(&w.biases);
@@ -1793,65 +1901,63 @@ impl Backend for CudaBackend {
 
     fn qmatmul(&self, x: &CudaTensor, w: &CudaQMatrix) -> Result<CudaTensor> {
         let b = self.check_q(x.cols, w)?;
+        // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
+        // run on the tensor cores, each tile of codes serving up to 64 tokens.
+        if x.rows >= MMA_MIN_TOKENS {
+            let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
+            return products(self.qmma(&split, x.cols, &[w], x.rows)?).map(|[out]| out);
+        }
         let out = self.tensor(x.rows, w.rows)?;
         if x.rows == 0 || w.rows == 0 {
             return Ok(out);
         }
-        // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
-        // run on the tensor cores, each 128-row tile of codes serving 64 tokens.
-        if x.rows < MMA_MIN_TOKENS {
-            // Matrices of many rows (the lm_head) on two blocks per SM walking the rows, the
-            // others one pass of the variant's blocks.
-            let (f, label, blocks) = if w.rows.div_ceil(GEMV_SHAPES[0].rows_per_block)
-                >= STREAM_MIN_BLOCKS_PER_SM * self.sms
-            {
-                (&self.k.gemv_stream[b], "gemv_stream[b]", 2 * self.sms)
-            } else {
-                let shape = self.gemv_variant(w.rows * x.rows, w.cols, w.bits);
-                (
-                    &self.k.gemv[b][shape.variant],
-                    "gemv[b][variant]",
-                    w.rows.div_ceil(shape.rows_per_block),
-                )
-            };
-            let args: [&dyn KernelArg; 5] = [
-                &self.qarg(w),
-                &self.ptr(&x.buf),
-                &self.ptr(&out.buf),
-                &(w.rows as i32),
-                &(w.cols as i32),
-            ];
-            // SAFETY: both kernels take (QMat w, const float* x, float* y, int rows, int cols),
-            // one token per blockIdx.y, and cols * 4 bytes of shared memory (kernels/quant.cu).
-            unsafe {
-                self.launch(
-                    f,
-                    label,
-                    cfg((blocks as u32, x.rows as u32), 256, gemv_smem_bytes(w.cols)),
-                    &args,
-                    x.rows as u64 * qbytes(w.rows, w.cols, w.bits),
-                )
-            }?;
+        // Matrices of many rows (the lm_head) on two blocks per SM walking the rows, the
+        // others one pass of the variant's blocks.
+        let (f, label, blocks) = if w.rows.div_ceil(GEMV_SHAPES[0].rows_per_block)
+            >= STREAM_MIN_BLOCKS_PER_SM * self.sms
+        {
+            (&self.k.gemv_stream[b], "gemv_stream[b]", 2 * self.sms)
         } else {
-            let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
-            self.qmma(&split, w, &out)?;
-        }
+            let shape = self.gemv_variant(w.rows * x.rows, w.cols, w.bits);
+            (
+                &self.k.gemv[b][shape.variant],
+                "gemv[b][variant]",
+                w.rows.div_ceil(shape.rows_per_block),
+            )
+        };
+        let args: [&dyn KernelArg; 5] = [
+            &self.qarg(w),
+            &self.ptr(&x.buf),
+            &self.ptr(&out.buf),
+            &(w.rows as i32),
+            &(w.cols as i32),
+        ];
+        // SAFETY: both kernels take (QMat w, const float* x, float* y, int rows, int cols),
+        // one token per blockIdx.y, and cols * 4 bytes of shared memory (kernels/quant.cu).
+        unsafe {
+            self.launch(
+                f,
+                label,
+                cfg((blocks as u32, x.rows as u32), 256, gemv_smem_bytes(w.cols)),
+                &args,
+                x.rows as u64 * qbytes(w.rows, w.cols, w.bits),
+            )
+        }?;
         Ok(out)
     }
 
     fn qmatmul_many(&self, x: &CudaTensor, ws: &[&CudaQMatrix]) -> Result<Vec<CudaTensor>> {
         if x.rows >= MMA_MIN_TOKENS {
-            // One split of the input serves every product.
+            // One split of the input serves every product; consecutive matrices of one bit
+            // width share a launch (at most four per launch).
             let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
-            return ws
-                .iter()
-                .map(|w| {
-                    self.check_q(x.cols, w)?;
-                    let out = self.tensor(x.rows, w.rows)?;
-                    self.qmma(&split, w, &out)?;
-                    Ok(out)
-                })
-                .collect();
+            let mut outs = Vec::with_capacity(ws.len());
+            for group in ws.chunk_by(|a, b| a.bits == b.bits) {
+                for part in group.chunks(4) {
+                    outs.extend(self.qmma(&split, x.cols, part, x.rows)?);
+                }
+            }
+            return Ok(outs);
         }
         if x.rows != 1 {
             return ws.iter().map(|w| self.qmatmul(x, w)).collect();
@@ -1865,7 +1971,7 @@ impl Backend for CudaBackend {
                     variant,
                     rows_per_block,
                 } = self.gemv_variant(part.iter().map(|w| w.rows).sum(), x.cols, part[0].bits);
-                let (batch, blocks, part_outs) = self.qbatch(x.cols, part, rows_per_block)?;
+                let (batch, blocks, part_outs) = self.qbatch(x.cols, part, rows_per_block, 1)?;
                 outs.extend(part_outs);
                 let bytes = part
                     .iter()
@@ -2360,6 +2466,7 @@ impl Backend for CudaBackend {
             h.cols,
             &[router, shared_gate],
             GEMV_SHAPES[1].rows_per_block,
+            1,
         )?;
         let [_logits, shared_gate_logit] = products(outs)?;
         let ids = self.tmp::<i32>(top_k)?;

@@ -68,6 +68,20 @@ struct QMat {
     const u16* biases;
 };
 
+// Up to four matrices of the same width and bit width that read the same x (the fused input
+// projections of a layer): one launch, blocks assigned to matrices in order, ceil(rows_m / rows
+// per block) each (quant.cu's matrix-vector and qmma.cu's dense products). Passed by value as
+// one kernel parameter.
+struct QBatch {
+    const u32* codes[4];
+    const u16* scales[4];
+    const u16* biases[4];
+    float* y[4];
+    int rows[4];
+    int first_block[5];
+    int first_row[5];  // prefix sums of rows: matrix m's rows start at first_row[m] of the run
+};
+
 // Matrix e of a stack of `rows` x `cols` BITS-bit matrices (the routed experts).
 template <int BITS>
 __device__ __forceinline__ QMat expert_slice(QMat stack, size_t e, int rows, int cols) {

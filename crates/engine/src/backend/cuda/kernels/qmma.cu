@@ -1,6 +1,7 @@
-// Quantized products on the tensor cores, for prefill: the dense product over a chunk's tokens,
-// and the routed experts grouped by expert (each expert's weights read once per 64 of the
-// tokens routed to it, instead of once per token).
+// Quantized products on the tensor cores, for prefill: the dense products over a chunk's tokens
+// (up to four matrices that read the same input in one launch), and the routed experts grouped
+// by expert (each expert's weights read once per tile of 64, or 16, of the tokens routed to it,
+// instead of once per token).
 //
 // Exactness. MLX codes are small integers, exact in bf16, so the tensor cores multiply the codes
 // themselves, never a rounded dequantized weight. Each activation is split into two bf16 parts
@@ -287,29 +288,38 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
 // 256 rows a block (twice the mma core's) because the activations, read from L2 once per block,
 // are four bytes a value with the split: per product they outweigh the codes, and their traffic
 // halves with each doubling of the rows.
+//
+// Slots. A tile takes N = 64 token slots, or 16 (the `_n16` kernels) where 64-slot tiles would
+// leave the GPU idle: few tokens, or experts that see a few tokens each. A 16-slot block does a
+// quarter of the products per group and, 4-bit, needs few enough registers that two fit an SM;
+// the host picks (mod.rs, `ProductShape`). Each output is the same sum either way.
 
 constexpr int WG_BM = 256;
 constexpr int WG_THREADS = 512;
 // Stages of codes and activations (groups in flight).
 constexpr int WG_STAGES = 6;
+// Blocks per SM: two for 4-bit 16-slot tiles (64 registers a thread: 7,640 vs 7,271 tok/s of
+// prefill at 256 tokens for one block of 128), else one.
+#define WG_BLOCKS_PER_SM(BITS, N) ((BITS) == 4 && (N) == 16 ? 2 : 1)
 
 // One group's operands. x parts as wgmma's K-major operand with the 128-byte swizzle: slot s's 64
 // columns are the 128-byte row s, its 16-byte chunk c stored at chunk c ^ (s & 7), so that the
 // tensor cores reading the same columns of eight slots hit eight different banks (wg_x_at;
 // 1,024-byte aligned). Codes: row r's 2 * BITS words as BITS / 2 chunks, swizzled (wg_chunk) so
 // that the eight rows a warp reads at once fall in different banks.
-template <int BITS>
+template <int BITS, int N>
 struct __align__(1024) WgStage {
-    u16 xh[TC_BN * 64];
-    u16 xl[TC_BN * 64];
+    u16 xh[N * 64];
+    u16 xl[N * 64];
     u32 codes[WG_BM * 2 * BITS];
-    float sx[TC_BN];
+    float sx[N];
 };
 
-// 151 KiB (4-bit) or 199 KiB (8-bit), and up to 1,023 bytes to align it: wg_smem_bytes in mod.rs.
-template <int BITS>
+// With 64 slots 151 KiB (4-bit) or 199 KiB (8-bit); with 16, 79 or 121 KiB; and up to 1,023
+// bytes to align it: wg_smem_bytes in mod.rs.
+template <int BITS, int N>
 struct __align__(1024) WgSmem {
-    WgStage<BITS> stage[WG_STAGES];
+    WgStage<BITS, N> stage[WG_STAGES];
     TileSlots slots;
     // Per stage: `full` completes a phase when every thread's copies of its group have landed,
     // `empty` when every warp has finished with that group (wg_product).
@@ -317,11 +327,11 @@ struct __align__(1024) WgSmem {
 };
 
 // The block's shared memory, from the first 1,024-byte boundary of the dynamic allocation.
-template <int BITS>
-__device__ __forceinline__ WgSmem<BITS>& wg_smem() {
+template <int BITS, int N>
+__device__ __forceinline__ WgSmem<BITS, N>& wg_smem() {
     extern __shared__ __align__(16) unsigned char tc_smem_raw[];
-    require_dynamic_smem(sizeof(WgSmem<BITS>) + 1024);
-    return *reinterpret_cast<WgSmem<BITS>*>(tc_smem_raw + ((1024 - (smem_addr(tc_smem_raw) & 1023)) & 1023));
+    require_dynamic_smem(sizeof(WgSmem<BITS, N>) + 1024);
+    return *reinterpret_cast<WgSmem<BITS, N>*>(tc_smem_raw + ((1024 - (smem_addr(tc_smem_raw) & 1023)) & 1023));
 }
 
 // Element offset of column chunk c (8 columns) of slot s in an x part (see WgStage).
@@ -344,8 +354,18 @@ __device__ __forceinline__ u64 wg_desc(const u16* part, int kk) {
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// d (+)= a * b over 64 rows x 64 slots x 16 columns: a in registers (the m16n8k16 A fragment of
+// d (+)= a * b over 64 rows x N slots x 16 columns: a in registers (the m16n8k16 A fragment of
 // the warp's 16 rows), b by descriptor. Asynchronous until wgmma_wait.
+__device__ __forceinline__ void wgmma_rs(float (&d)[8], const u32 (&a)[4], u64 b, int accumulate) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %13, 0; "
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)
+        : "memory");
+}
 __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 b, int accumulate) {
     asm volatile(
         "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
@@ -366,9 +386,10 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 // Keeps the compiler from moving register reads and writes of d across the asynchronous product.
-__device__ __forceinline__ void wgmma_hold(float (&d)[32]) {
+template <int M>
+__device__ __forceinline__ void wgmma_hold(float (&d)[M]) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < M; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 // Orders the shared-memory data this thread has seen land (cp.async copies, through an mbarrier)
 // before the tensor cores' reads of it (the async proxy).
@@ -395,12 +416,12 @@ __device__ __forceinline__ void mbar_wait(u64* bar, int parity) {
 
 // Starts the copies of group g into a stage: x parts and sums of the occupied slots, and the
 // codes of the rows in range (what stays stale only feeds outputs that are never written).
-template <int BITS>
-__device__ __forceinline__ void wg_load(WgStage<BITS>& st, const TileSlots& sl, QMat w, SplitX x, int n0, int rows,
-                                        int cols, int g) {
+template <int BITS, int N>
+__device__ __forceinline__ void wg_load(WgStage<BITS, N>& st, const TileSlots& sl, QMat w, SplitX x, int n0,
+                                        int rows, int cols, int g) {
     constexpr int CH = BITS / 2;
     const int tid = threadIdx.x;
-    {
+    if (tid < 8 * N) {
         const int s = tid >> 3, c = tid & 7;  // one chunk of each part per thread
         const int row = sl.xrow[s];
         if (row >= 0) {
@@ -417,15 +438,15 @@ __device__ __forceinline__ void wg_load(WgStage<BITS>& st, const TileSlots& sl, 
             cp_async16(&st.codes[(r * CH + wg_chunk<CH>(r, c)) * 4],
                        w.codes + (size_t)(n0 + r) * words + (size_t)g * 2 * BITS + c * 4);
     }
-    if (tid < TC_BN) {
+    if (tid < N) {
         const int row = sl.xrow[tid];
         if (row >= 0) cp_async4(&st.sx[tid], x.sum + (size_t)row * (x.ld >> 6) + g);
     }
 }
 
 // The A fragments of the thread's rows r and r + 8 for the group's four 16-column steps.
-template <int BITS>
-__device__ __forceinline__ void wg_a_frags(u32 (&a)[4][4], const WgStage<BITS>& st, int r, int cq) {
+template <int BITS, int N>
+__device__ __forceinline__ void wg_a_frags(u32 (&a)[4][4], const WgStage<BITS, N>& st, int r, int cq) {
     constexpr int CH = BITS / 2;
     u32 w0[2 * BITS], w1[2 * BITS];
 #pragma unroll
@@ -445,8 +466,8 @@ __device__ __forceinline__ void wg_a_frags(u32 (&a)[4][4], const WgStage<BITS>& 
 }
 
 // tc_product's contract on the warpgroup products.
-template <int BITS>
-__device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS>& sm, int n0, int rows, int cols) {
+template <int BITS, int N>
+__device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS, N>& sm, int n0, int rows, int cols) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, cq = lane & 3;
@@ -454,7 +475,7 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS>& sm, i
     const int r = 64 * (warp >> 2) + 16 * (warp & 3) + gq;
     const int groups = cols >> 6;
     const TileSlots& sl = sm.slots;
-    float acc[32] = {};
+    float acc[N / 2] = {};
     // Stages cycle through groups g, g + S, ...: phase k of full[g % S] is group g + kS landed,
     // phase k of empty[g % S] every warp done with it. No block-wide barrier per group: a
     // warpgroup waits only for its group's copies, and the copies of group G into a stage wait
@@ -471,14 +492,14 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS>& sm, i
     auto load = [&](int G) {
         if (G >= groups) return;
         if (G >= S) mbar_wait(&sm.empty[G % S], (G / S - 1) & 1);
-        wg_load<BITS>(sm.stage[G % S], sl, w, x, n0, rows, cols, G);
+        wg_load<BITS, N>(sm.stage[G % S], sl, w, x, n0, rows, cols, G);
         mbar_arrive_copies(&sm.full[G % S]);
     };
     for (int G = 0; G < S - 2; ++G) load(G);
     // Rows r and r + 8's scales and biases, loaded one group ahead of their use (a row past the
     // matrix reads row 0's: its results are never written).
-    const size_t at0 = (size_t)(n0 + r < rows ? n0 + r : 0) * groups;
-    const size_t at1 = (size_t)(n0 + r + 8 < rows ? n0 + r + 8 : 0) * groups;
+    const u32 at0 = (u32)(n0 + r < rows ? n0 + r : 0) * groups;  // rows * groups < 2^32
+    const u32 at1 = (u32)(n0 + r + 8 < rows ? n0 + r + 8 : 0) * groups;
     u16 s0 = __ldg(w.scales + at0), b0 = __ldg(w.biases + at0);
     u16 s1 = __ldg(w.scales + at1), b1 = __ldg(w.biases + at1);
     for (int g = 0; g < groups; ++g) {
@@ -487,10 +508,10 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS>& sm, i
         const u16 s1n = __ldg(w.scales + at1 + gn), b1n = __ldg(w.biases + at1 + gn);
         mbar_wait(&sm.full[g % S], (g / S) & 1);
         fence_proxy_async();
-        const WgStage<BITS>& st = sm.stage[g % S];
+        const WgStage<BITS, N>& st = sm.stage[g % S];
         u32 a[4][4];
-        wg_a_frags<BITS>(a, st, r, cq);
-        float d[32];
+        wg_a_frags<BITS, N>(a, st, r, cq);
+        float d[N / 2];
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -503,7 +524,7 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS>& sm, i
         const float fs0 = bf16_to_f32(s0), fb0 = bf16_to_f32(b0), fs1 = bf16_to_f32(s1), fb1 = bf16_to_f32(b1);
         // d[4j + e]: row r + 8 (e >> 1), slot 8j + 2cq + (e & 1).
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < N / 8; ++j) {
             const float2 sx = *reinterpret_cast<const float2*>(&st.sx[8 * j + 2 * cq]);
             acc[4 * j] = fmaf(fs0, d[4 * j], fmaf(fb0, sx.x, acc[4 * j]));
             acc[4 * j + 1] = fmaf(fs0, d[4 * j + 1], fmaf(fb0, sx.y, acc[4 * j + 1]));
@@ -520,7 +541,7 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS>& sm, i
     }
     cp_async_wait_all();
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < N / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int slot = 8 * j + 2 * cq + (e & 1), row = n0 + r + 8 * (e >> 1);
@@ -537,56 +558,69 @@ template <bool WG>
 __device__ constexpr int tile_rows() {
     return WG ? WG_BM : TC_BM;
 }
-template <bool WG, int BITS>
+// N token slots a tile: 64 or 16 on the wgmma core, 64 on the mma core.
+template <bool WG, int BITS, int N>
 __device__ __forceinline__ TileSlots& tile_slots() {
-    if constexpr (WG) return wg_smem<BITS>().slots;
+    static_assert(N == TC_BN || (WG && N == 16), "tile slots");
+    if constexpr (WG) return wg_smem<BITS, N>().slots;
     else return tc_smem().slots;
 }
-template <bool WG, int BITS>
+template <bool WG, int BITS, int N>
 __device__ __forceinline__ void tile_product(QMat w, SplitX x, int n0, int rows, int cols) {
-    if constexpr (WG) wg_product<BITS>(w, x, wg_smem<BITS>(), n0, rows, cols);
+    if constexpr (WG) wg_product<BITS, N>(w, x, wg_smem<BITS, N>(), n0, rows, cols);
     else tc_product<BITS>(w, x, tc_smem(), n0, rows, cols);
 }
 
-// y[t][n] = sum_k w[n][k] * x[t][k], x split. Launch with the core's threads (mma 256, wgmma 512)
-// and (ceil(rows / tile_rows), ceil(tokens / 64)) blocks; cols a multiple of 64.
-template <int BITS, bool WG>
-__device__ __forceinline__ void qmma_dense(QMat w, SplitX x, float* y, int tokens, int rows, int cols) {
-    TileSlots& sl = tile_slots<WG, BITS>();
-    if (threadIdx.x < TC_BN) {
-        const int t = blockIdx.y * TC_BN + threadIdx.x;
+// y_m[t][n] = sum_k w_m[n][k] * x[t][k] for the batch's matrices m (up to four, one launch: the
+// products of one input), x split. Launch with the core's threads (mma 256, wgmma 512) and
+// (first_block[4], ceil(tokens / N)) blocks, matrix m's first_block[m].. taking its rows
+// tile_rows at a time; cols a multiple of 64.
+template <int BITS, bool WG, int N>
+__device__ __forceinline__ void qmma_dense(const QBatch& b, SplitX x, int tokens, int cols) {
+    int m = 0;
+    while (m < 3 && (int)blockIdx.x >= b.first_block[m + 1]) ++m;
+    const int rows = b.rows[m];
+    TileSlots& sl = tile_slots<WG, BITS, N>();
+    if (threadIdx.x < N) {
+        const int t = blockIdx.y * N + threadIdx.x;
         sl.xrow[threadIdx.x] = t < tokens ? t : -1;
-        sl.yrow[threadIdx.x] = y + (size_t)t * rows;
+        sl.yrow[threadIdx.x] = b.y[m] + (size_t)t * rows;
     }
     __syncthreads();
-    tile_product<WG, BITS>(w, x, blockIdx.x * tile_rows<WG>(), rows, cols);
+    const QMat w{b.codes[m], b.scales[m], b.biases[m]};
+    tile_product<WG, BITS, N>(w, x, ((int)blockIdx.x - b.first_block[m]) * tile_rows<WG>(), rows, cols);
 }
 
-// q4_mma, q8_mma (any sm_80+) and q4_wgmma, q8_wgmma (sm_90a).
-#define QMMA_DENSE(BITS, NAME, WG)                                                                             \
-    extern "C" __global__ void __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? 1 : 2)                                              \
-        q##BITS##_##NAME(QMat w, const u16* xh, const u16* xl, const float* xsum, float* y, int tokens, int rows, \
-                         int cols) {                                                                         \
-        grid_dep();                                                                                          \
-        qmma_dense<BITS, WG>(w, {xh, xl, xsum, cols}, y, tokens, rows, cols);                                \
+// Threads and blocks per SM of each core.
+#define QMMA_BOUNDS(WG, BITS, N) \
+    __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? WG_BLOCKS_PER_SM(BITS, N) : 2)
+
+// q4_mma, q8_mma (any sm_80+) and q4_wgmma, q8_wgmma, q4_wgmma_n16, q8_wgmma_n16 (sm_90a).
+#define QMMA_DENSE(BITS, NAME, WG, N)                                                                               \
+    extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N)                                                             \
+        q##BITS##_##NAME(QBatch b, const u16* xh, const u16* xl, const float* xsum, int tokens, int cols) {         \
+        grid_dep();                                                                                                 \
+        qmma_dense<BITS, WG, N>(b, {xh, xl, xsum, cols}, tokens, cols);                                             \
     }
-QMMA_DENSE(4, mma, false)
-QMMA_DENSE(8, mma, false)
-QMMA_DENSE(4, wgmma, true)
-QMMA_DENSE(8, wgmma, true)
+QMMA_DENSE(4, mma, false, 64)
+QMMA_DENSE(8, mma, false, 64)
+QMMA_DENSE(4, wgmma, true, 64)
+QMMA_DENSE(8, wgmma, true, 64)
+QMMA_DENSE(4, wgmma_n16, true, 16)
+QMMA_DENSE(8, wgmma_n16, true, 16)
 
 // ---- the routed experts grouped by expert. Pair p < pairs is token p / top_k's (p % top_k)-th
 // chosen expert ids[p]; with a shared expert, pair pairs + t is token t's, as the virtual expert
 // `experts`. moe_group sorts the pairs by expert (perm) and cuts each expert's run into tiles of
-// up to 64 pairs: tiles[3 * i] = expert, [3 * i + 1] = first index into perm, [3 * i + 2] =
-// pairs in the tile; ntiles[0] = the tile count. The order of the pairs inside an expert's run
+// up to `slots` pairs (the products' token slots): tiles[3 * i] = expert, [3 * i + 1] = first
+// index into perm, [3 * i + 2] = pairs in the tile; ntiles[0] = the tile count. The order of the pairs inside an expert's run
 // does not matter: each pair's outputs depend only on its own activations.
 
 constexpr int MAX_GROUPS = 1024;
 
 // One block of 1024 threads. Expert ids must lie in [0, experts); experts + 1 <= MAX_GROUPS.
 extern "C" __global__ void moe_group(const int* ids, int pairs, int tokens, int experts, int with_shared,
-                                     int* perm, int* tiles, int* ntiles) {
+                                     int slots, int* perm, int* tiles, int* ntiles) {
     grid_dep();
     __shared__ int count[MAX_GROUPS], start[MAX_GROUPS], first_tile[MAX_GROUPS], filled[MAX_GROUPS];
     const int groups = experts + (with_shared ? 1 : 0);
@@ -604,17 +638,17 @@ extern "C" __global__ void moe_group(const int* ids, int pairs, int tokens, int 
             start[e] = s;
             first_tile[e] = tl;
             s += count[e];
-            tl += (count[e] + TC_BN - 1) / TC_BN;
+            tl += (count[e] + slots - 1) / slots;
         }
         ntiles[0] = tl;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < groups; e += blockDim.x)
-        for (int j = 0; j * TC_BN < count[e]; ++j) {
+        for (int j = 0; j * slots < count[e]; ++j) {
             int* tile = tiles + 3 * (first_tile[e] + j);
             tile[0] = e;
-            tile[1] = start[e] + j * TC_BN;
-            tile[2] = min(TC_BN, count[e] - j * TC_BN);
+            tile[1] = start[e] + j * slots;
+            tile[2] = min(slots, count[e] - j * slots);
         }
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         const int e = ids[p];
@@ -636,12 +670,12 @@ __device__ __forceinline__ QMat expert_mat(QMat stack, QMat shared, int e, int e
 // first ceil(stride / tile_rows) blocks along y take gate rows, the rest up rows (SwiGLU follows
 // in swiglu_split_bf16). Launch with the core's threads and (max tiles, 2 * ceil(stride /
 // tile_rows)) blocks; blocks past ntiles[0] return.
-template <int BITS, bool WG>
+template <int BITS, bool WG, int N>
 __device__ __forceinline__ void moe_gate_up_mma(QMat gate, QMat up, QMat sgate, QMat sup, const int* perm,
                                                 const int* tiles, const int* ntiles, SplitX x, float* gu,
                                                 int top_k, int pairs, int experts, int inter, int inter_s,
                                                 int hidden) {
-    TileSlots& sl = tile_slots<WG, BITS>();
+    TileSlots& sl = tile_slots<WG, BITS, N>();
     if ((int)blockIdx.x >= ntiles[0]) return;
     const int* tile = tiles + 3 * blockIdx.x;
     const int e = tile[0];
@@ -651,7 +685,7 @@ __device__ __forceinline__ void moe_gate_up_mma(QMat gate, QMat up, QMat sgate, 
     const bool is_up = (int)blockIdx.y >= per;
     const int n0 = ((int)blockIdx.y - (is_up ? per : 0)) * tile_rows<WG>();
     if (n0 >= rows) return;
-    if (threadIdx.x < TC_BN) {
+    if (threadIdx.x < N) {
         const bool used = (int)threadIdx.x < tile[2];
         const int p = used ? perm[tile[1] + threadIdx.x] : 0;
         const int t = p < pairs ? p / top_k : p - pairs;
@@ -661,51 +695,53 @@ __device__ __forceinline__ void moe_gate_up_mma(QMat gate, QMat up, QMat sgate, 
     __syncthreads();
     const QMat w = is_up ? expert_mat<BITS>(up, sup, e, experts, inter, hidden)
                          : expert_mat<BITS>(gate, sgate, e, experts, inter, hidden);
-    tile_product<WG, BITS>(w, x, n0, rows, hidden);
+    tile_product<WG, BITS, N>(w, x, n0, rows, hidden);
 }
 
 // y[p][c] = down_e[c] . act[p], act split with rows of stride columns. Launch with the core's
 // threads and (max tiles, ceil(hidden / tile_rows)) blocks.
-template <int BITS, bool WG>
+template <int BITS, bool WG, int N>
 __device__ __forceinline__ void moe_down_mma(QMat down, QMat sdown, const int* perm, const int* tiles,
                                              const int* ntiles, SplitX act, float* y, int experts,
                                              int inter, int inter_s, int hidden) {
-    TileSlots& sl = tile_slots<WG, BITS>();
+    TileSlots& sl = tile_slots<WG, BITS, N>();
     if ((int)blockIdx.x >= ntiles[0]) return;
     const int* tile = tiles + 3 * blockIdx.x;
     const int e = tile[0];
     const int cols = e == experts ? inter_s : inter;
     const int stride = max(inter, inter_s);
-    if (threadIdx.x < TC_BN) {
+    if (threadIdx.x < N) {
         const bool used = (int)threadIdx.x < tile[2];
         const int p = used ? perm[tile[1] + threadIdx.x] : 0;
         sl.xrow[threadIdx.x] = used ? p : -1;
         sl.yrow[threadIdx.x] = y + (size_t)p * hidden;
     }
     __syncthreads();
-    tile_product<WG, BITS>(expert_mat<BITS>(down, sdown, e, experts, hidden, inter), act, blockIdx.y * tile_rows<WG>(),
-                           hidden, cols);
+    tile_product<WG, BITS, N>(expert_mat<BITS>(down, sdown, e, experts, hidden, inter), act,
+                              blockIdx.y * tile_rows<WG>(), hidden, cols);
 }
 
-// q4_moe_gate_up_mma, q4_moe_down_mma, ... and the _wgmma pairs (sm_90a).
-#define MOE_MMA_KERNELS(BITS, NAME, WG)                                                                        \
-    extern "C" __global__ void __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? 1 : 2) q##BITS##_moe_gate_up_##NAME(                  \
-        QMat gate, QMat up, QMat sgate, QMat sup, const int* perm, const int* tiles, const int* ntiles,        \
-        const u16* xh, const u16* xl, const float* xsum, float* gu, int top_k, int pairs, int experts,         \
-        int inter, int inter_s, int hidden) {                                                                  \
-        grid_dep();                                                                                            \
-        moe_gate_up_mma<BITS, WG>(gate, up, sgate, sup, perm, tiles, ntiles, {xh, xl, xsum, hidden}, gu, top_k, \
-                                  pairs, experts, inter, inter_s, hidden);                                     \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? 1 : 2)                                                \
-        q##BITS##_moe_down_##NAME(QMat down, QMat sdown, const int* perm, const int* tiles, const int* ntiles, \
-                                  const u16* ah, const u16* al, const float* asum, float* y, int experts,      \
-                                  int inter, int inter_s, int hidden) {                                        \
-        grid_dep();                                                                                            \
-        moe_down_mma<BITS, WG>(down, sdown, perm, tiles, ntiles, {ah, al, asum, max(inter, inter_s)}, y,       \
-                               experts, inter, inter_s, hidden);                                               \
+// q4_moe_gate_up_mma, q4_moe_down_mma, ... and the _wgmma and _wgmma_n16 pairs (sm_90a).
+#define MOE_MMA_KERNELS(BITS, NAME, WG, N)                                                                          \
+    extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N) q##BITS##_moe_gate_up_##NAME(                               \
+        QMat gate, QMat up, QMat sgate, QMat sup, const int* perm, const int* tiles, const int* ntiles,             \
+        const u16* xh, const u16* xl, const float* xsum, float* gu, int top_k, int pairs, int experts,              \
+        int inter, int inter_s, int hidden) {                                                                       \
+        grid_dep();                                                                                                 \
+        moe_gate_up_mma<BITS, WG, N>(gate, up, sgate, sup, perm, tiles, ntiles, {xh, xl, xsum, hidden}, gu,         \
+                                     top_k, pairs, experts, inter, inter_s, hidden);                                \
+    }                                                                                                               \
+    extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N)                                                             \
+        q##BITS##_moe_down_##NAME(QMat down, QMat sdown, const int* perm, const int* tiles, const int* ntiles,      \
+                                  const u16* ah, const u16* al, const float* asum, float* y, int experts,           \
+                                  int inter, int inter_s, int hidden) {                                             \
+        grid_dep();                                                                                                 \
+        moe_down_mma<BITS, WG, N>(down, sdown, perm, tiles, ntiles, {ah, al, asum, max(inter, inter_s)}, y,         \
+                                  experts, inter, inter_s, hidden);                                                 \
     }
-MOE_MMA_KERNELS(4, mma, false)
-MOE_MMA_KERNELS(8, mma, false)
-MOE_MMA_KERNELS(4, wgmma, true)
-MOE_MMA_KERNELS(8, wgmma, true)
+MOE_MMA_KERNELS(4, mma, false, 64)
+MOE_MMA_KERNELS(8, mma, false, 64)
+MOE_MMA_KERNELS(4, wgmma, true, 64)
+MOE_MMA_KERNELS(8, wgmma, true, 64)
+MOE_MMA_KERNELS(4, wgmma_n16, true, 16)
+MOE_MMA_KERNELS(8, wgmma_n16, true, 16)

@@ -251,19 +251,6 @@ extern "C" __global__ void GEMV_BOUNDS(2) q8_gemv_stream(QMat w, const float* x,
     qgemv_stream<8>(w, x, y, rows, cols);
 }
 
-// Up to four matrices of the same width and bit width that read the same x (the fused input
-// projections of a layer): one launch, blocks assigned to matrices in order,
-// ceil(rows_m / ROWS_PER_BLOCK) each. Passed by value as one kernel parameter.
-struct QBatch {
-    const u32* codes[4];
-    const u16* scales[4];
-    const u16* biases[4];
-    float* y[4];
-    int rows[4];
-    int first_block[5];
-    int first_row[5];  // prefix sums of rows: matrix m's rows start at first_row[m] of the run
-};
-
 // Launch with 256 threads, first_block[4] blocks and gemv_smem_bytes(cols) of shared memory; one
 // token.
 template <int BITS, int R, int U, int LANES>
