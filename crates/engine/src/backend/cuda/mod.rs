@@ -144,6 +144,7 @@ struct Kernels {
     moe_combine_add_rms_norm: CudaFunction,
     moe_route: CudaFunction,
     rms_norm: CudaFunction,
+    rms_norm_warp: CudaFunction,
     add_rms_norm: CudaFunction,
     add_assign: CudaFunction,
     swiglu: CudaFunction,
@@ -278,6 +279,7 @@ impl Kernels {
             moe_combine_add_rms_norm: f("pointwise", "moe_combine_add_rms_norm")?,
             moe_route: f("quant", "moe_route")?,
             rms_norm: f("pointwise", "rms_norm")?,
+            rms_norm_warp: f("pointwise", "rms_norm_warp")?,
             add_rms_norm: f("pointwise", "add_rms_norm")?,
             add_assign: f("pointwise", "add_assign")?,
             swiglu: f("pointwise", "swiglu")?,
@@ -678,6 +680,9 @@ const MMA_MIN_TOKENS: usize = 8;
 const GROUPED_MOE_MIN_TOKENS: usize = 32;
 /// Experts plus the shared expert that the grouping kernel can count (`MAX_GROUPS`, qmma.cu).
 const MAX_EXPERT_GROUPS: usize = 1024;
+
+/// Rows of at most this many columns are normed a warp each (`rms_norm_warp`).
+const SHORT_NORM_COLS: usize = 512;
 
 /// Columns per thread of the residual-add norm (`NORM_PER_THREAD`, kernels/pointwise.cu).
 const NORM_PER_THREAD: usize = 8;
@@ -1690,8 +1695,24 @@ impl CudaBackend {
         }
         let out = self.tensor(x.rows, x.cols)?;
         let groups = x.rows * x.cols / cols;
-        if groups > 0 {
-            let zp = z.map(|z| self.ptr(&z.buf)).unwrap_or(0);
+        let zp = z.map(|z| self.ptr(&z.buf)).unwrap_or(0);
+        // Short rows (per-head norms) a warp each, eight to a block; long ones a block each.
+        if groups > 0 && cols <= SHORT_NORM_COLS {
+            launch!(
+                self,
+                self.k.rms_norm_warp,
+                cfg((groups.div_ceil(8) as u32, 1), 256, 0),
+                [
+                    self.ptr(&x.buf),
+                    self.ptr(w),
+                    zp,
+                    self.ptr(&out.buf),
+                    groups as i32,
+                    cols as i32,
+                    eps
+                ]
+            )?;
+        } else if groups > 0 {
             let threads = if cols >= 1024 { 256 } else { 128 };
             launch!(
                 self,

@@ -16,8 +16,8 @@ constexpr int CONV_TOKENS = 64;
 // and only this layer's conv writes the window, a step or chunk earlier. That launch has finished:
 // since then a whole pass through the other layers has run, including kernels that wait for
 // their predecessor before letting the next one start (grid_dep), and kernels finish in order.
-extern "C" __global__ void conv1d_silu(const float* x, const float* w, float* window, float* y, int tokens,
-                                       int channels, int k) {
+extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float* w, float* window,
+                                       float* __restrict__ y, int tokens, int channels, int k) {
     pdl_launch_dependents();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int t0 = blockIdx.y * CONV_TOKENS, t1 = min(t0 + CONV_TOKENS, tokens);
@@ -36,6 +36,8 @@ extern "C" __global__ void conv1d_silu(const float* x, const float* w, float* wi
         const int i = t0 - (k - 1) + j;
         h[j] = j < k - 1 ? (i < 0 ? old[j] : x[(size_t)i * channels + c]) : 0.f;
     }
+    // Unrolled (x and y do not alias) so that several tokens' loads are in flight at once.
+#pragma unroll 4
     for (int t = t0; t < t1; ++t) {
         float acc = 0.f;
 #pragma unroll

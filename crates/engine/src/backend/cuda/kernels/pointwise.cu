@@ -21,6 +21,28 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
     }
 }
 
+// rms_norm with one warp per row, for short rows (the per-head and the GDN output norms: many
+// rows of 64-256 columns, where a block per row spends its time in the block-wide sum and its
+// barriers). Launch with 256 threads and ceil(rows / 8) blocks.
+extern "C" __global__ void rms_norm_warp(const float* x, const float* w, const float* z, float* out, int rows,
+                                         int cols, float eps) {
+    grid_dep();
+    const int lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const size_t base = (size_t)r * cols;
+    float ss = 0.f;
+    for (int c = lane; c < cols; c += 32) {
+        const float v = x[base + c];
+        ss = fmaf(v, v, ss);
+    }
+    const float inv = 1.f / sqrtf(warp_sum(ss) / (float)cols + eps);
+    for (int c = lane; c < cols; c += 32) {
+        float v = x[base + c] * inv * w[c];
+        if (z) v *= silu(z[base + c]);
+        out[base + c] = v;
+    }
+}
+
 // Columns per thread of add_rms_norm (`NORM_PER_THREAD`, mod.rs): a row is held in registers, so
 // every load of x and y is issued before any store to x (looping with a store between loads
 // waited for a round trip to memory per element).
