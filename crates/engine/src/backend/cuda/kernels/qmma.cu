@@ -602,12 +602,11 @@ __device__ __forceinline__ void qmma_dense(const QBatch& b, SplitX x, int tokens
         grid_dep();                                                                                                 \
         qmma_dense<BITS, WG, N>(b, {xh, xl, xsum, cols}, tokens, cols);                                             \
     }
-QMMA_DENSE(4, mma, false, 64)
-QMMA_DENSE(8, mma, false, 64)
-QMMA_DENSE(4, wgmma, true, 64)
-QMMA_DENSE(8, wgmma, true, 64)
-QMMA_DENSE(4, wgmma_n16, true, 16)
-QMMA_DENSE(8, wgmma_n16, true, 16)
+// Every product kernel family comes in these shapes: (bits, core name, wgmma core, token slots).
+#define PRODUCT_SHAPES(X) \
+    X(4, mma, false, 64) X(8, mma, false, 64) X(4, wgmma, true, 64) X(8, wgmma, true, 64) \
+    X(4, wgmma_n16, true, 16) X(8, wgmma_n16, true, 16)
+PRODUCT_SHAPES(QMMA_DENSE)
 
 // ---- the routed experts grouped by expert. Pair p < pairs is token p / top_k's (p % top_k)-th
 // chosen expert ids[p]; with a shared expert, pair pairs + t is token t's, as the virtual expert
@@ -739,9 +738,4 @@ __device__ __forceinline__ void moe_down_mma(QMat down, QMat sdown, const int* p
         moe_down_mma<BITS, WG, N>(down, sdown, perm, tiles, ntiles, {ah, al, asum, max(inter, inter_s)}, y,         \
                                   experts, inter, inter_s, hidden);                                                 \
     }
-MOE_MMA_KERNELS(4, mma, false, 64)
-MOE_MMA_KERNELS(8, mma, false, 64)
-MOE_MMA_KERNELS(4, wgmma, true, 64)
-MOE_MMA_KERNELS(8, wgmma, true, 64)
-MOE_MMA_KERNELS(4, wgmma_n16, true, 16)
-MOE_MMA_KERNELS(8, wgmma_n16, true, 16)
+PRODUCT_SHAPES(MOE_MMA_KERNELS)
