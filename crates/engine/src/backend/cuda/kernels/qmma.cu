@@ -315,7 +315,7 @@ struct __align__(1024) WgStage {
     float sx[N];
 };
 
-// With 64 slots 151 KiB (4-bit) or 199 KiB (8-bit); with 16, 79 or 121 KiB; and up to 1,023
+// With 64 slots 151 KiB (4-bit) or 199 KiB (8-bit); with 16, 79 or 127 KiB; and up to 1,023
 // bytes to align it: wg_smem_bytes in mod.rs.
 template <int BITS, int N>
 struct __align__(1024) WgSmem {
