@@ -225,12 +225,15 @@ impl Kernels {
         let products = if wgmma {
             let (full, n16) = (shape("wgmma", 64)?, shape("wgmma_n16", 16)?);
             match fixed_slots.as_deref() {
-                Some("64") => ProductShapes::One(full),
-                Some("16") => ProductShapes::One(n16),
-                _ => ProductShapes::Two { full, n16 },
+                Some("64") => ProductShapes::only(full),
+                Some("16") => ProductShapes::only(n16),
+                _ => ProductShapes {
+                    main: full,
+                    n16: Some(n16),
+                },
             }
         } else {
-            ProductShapes::One(shape("mma", 64)?)
+            ProductShapes::only(shape("mma", 64)?)
         };
         let f = |family: &'static str, name: &str| dev.function(family, name);
         let pair_in = |family: &'static str, name: &str| -> Result<[CudaFunction; 2]> {
@@ -594,55 +597,40 @@ struct ProductShape {
     threads: u32,
 }
 
-/// The product tiles in use: one shape, or on sm_90a 64-slot tiles and 16-slot ones.
-enum ProductShapes {
-    One(ProductShape),
-    Two {
-        full: ProductShape,
-        n16: ProductShape,
-    },
+/// The product tiles in use: one shape (`main`), or on sm_90a 64-slot tiles and 16-slot ones
+/// that launches pick when they suit them better.
+struct ProductShapes {
+    main: ProductShape,
+    n16: Option<ProductShape>,
 }
 
 impl ProductShapes {
-    /// The shape for a product (`bits` index `b`) whose 64-slot tiles would take `blocks`
-    /// blocks: 16 slots when the four times as many 16-slot blocks all fit on the GPU at once
-    /// (each does a quarter of the products per group, and 4-bit ones fit two an SM), else 64.
-    /// At 256 tokens they take the output projections and the router and, with the experts' 16-slot
-    /// tiles, make prefill 7,640 tok/s against 6,041; where they would need a second wave they
-    /// lose (docs/performance.md).
+    fn only(main: ProductShape) -> Self {
+        ProductShapes { main, n16: None }
+    }
+
+    /// The shape for a product (`bits` index `b`) whose tiles in the main shape would take
+    /// `blocks` blocks: 16 slots when the four times as many 16-slot blocks all fit on the GPU
+    /// at once (each does a quarter of the products per group, and 4-bit ones fit two an SM),
+    /// else the main shape. At 256 tokens they take the output projections and the router and,
+    /// with the experts' 16-slot tiles, make prefill 7,640 tok/s against 6,041; where they would
+    /// need a second wave they lose (docs/performance.md).
     fn pick(&self, blocks: usize, b: usize, sms: usize) -> &ProductShape {
-        match self {
-            ProductShapes::One(shape) => shape,
-            ProductShapes::Two { full, n16 } => {
-                let n16_blocks = blocks * (full.slots / n16.slots) as usize;
-                if n16_blocks <= n16.per_sm[b] * sms {
-                    n16
-                } else {
-                    full
-                }
+        match &self.n16 {
+            Some(n16) if blocks * (self.main.slots / n16.slots) as usize <= n16.per_sm[b] * sms => {
+                n16
             }
+            _ => &self.main,
         }
     }
 
     /// The shape for the grouped expert products of `pairs` pairs over `groups` experts: 16
     /// slots when the experts see 16 pairs each or fewer on average (64-slot tiles would be
-    /// mostly empty), else 64.
+    /// mostly empty), else the main shape.
     fn pick_grouped(&self, pairs: usize, groups: usize) -> &ProductShape {
-        match self {
-            ProductShapes::One(shape) => shape,
-            ProductShapes::Two { full, n16 } => {
-                if pairs <= 16 * groups {
-                    n16
-                } else {
-                    full
-                }
-            }
-        }
-    }
-
-    fn full(&self) -> &ProductShape {
-        match self {
-            ProductShapes::One(shape) | ProductShapes::Two { full: shape, .. } => shape,
+        match &self.n16 {
+            Some(n16) if pairs <= 16 * groups => n16,
+            _ => &self.main,
         }
     }
 }
@@ -1118,7 +1106,7 @@ impl CudaBackend {
         tokens: usize,
     ) -> Result<Vec<CudaTensor>> {
         let b = bits_index(ws[0].bits, &ws[0].name)?;
-        let full = self.k.products.full();
+        let full = &self.k.products.main;
         let blocks: usize = ws
             .iter()
             .map(|w| w.rows.div_ceil(full.rows as usize) * tokens.div_ceil(full.slots as usize))
@@ -1921,13 +1909,14 @@ impl Backend for CudaBackend {
     }
 
     fn qmatmul(&self, x: &CudaTensor, w: &CudaQMatrix) -> Result<CudaTensor> {
-        let b = self.check_q(x.cols, w)?;
         // A few tokens stream the weights once per token (bandwidth-bound, like decode); more
-        // run on the tensor cores, each tile of codes serving up to 64 tokens.
+        // run on the tensor cores, each tile of codes serving up to 64 tokens (`qbatch` checks
+        // the matrix there).
         if x.rows >= MMA_MIN_TOKENS {
             let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
             return products(self.qmma(&split, x.cols, &[w], x.rows)?).map(|[out]| out);
         }
+        let b = self.check_q(x.cols, w)?;
         let out = self.tensor(x.rows, w.rows)?;
         if x.rows == 0 || w.rows == 0 {
             return Ok(out);
