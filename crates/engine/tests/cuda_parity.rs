@@ -224,7 +224,14 @@ fn norms_match() {
         return;
     };
     let mut rng = StdRng::seed_from_u64(23);
-    for (t, cols, dim) in [(1, 2048, 128), (3, 4096, 256), (5, 64, 32), (2, 4096, 128)] {
+    // Per-head rows: few (a block each) and, at 100 tokens, 3,200 (a warp each).
+    for (t, cols, dim) in [
+        (1, 2048, 128),
+        (3, 4096, 256),
+        (5, 64, 32),
+        (2, 4096, 128),
+        (100, 4096, 128),
+    ] {
         let x = randn(&mut rng, t * cols, 2.0);
         let z = randn(&mut rng, t * cols, 3.0);
         let w = randn(&mut rng, cols, 1.5);

@@ -669,8 +669,10 @@ const GROUPED_MOE_MIN_TOKENS: usize = 32;
 /// Experts plus the shared expert that the grouping kernel can count (`MAX_GROUPS`, qmma.cu).
 const MAX_EXPERT_GROUPS: usize = 1024;
 
-/// Rows of at most this many columns are normed a warp each (`rms_norm_warp`).
+/// Rows of at most this many columns, this many rows or more, are normed a warp each
+/// (`rms_norm_warp`).
 const SHORT_NORM_COLS: usize = 512;
+const SHORT_NORM_MIN_ROWS: usize = 256;
 
 /// Columns per thread of the residual-add norm (`NORM_PER_THREAD`, kernels/pointwise.cu).
 const NORM_PER_THREAD: usize = 8;
@@ -1684,8 +1686,10 @@ impl CudaBackend {
         let out = self.tensor(x.rows, x.cols)?;
         let groups = x.rows * x.cols / cols;
         let zp = z.map(|z| self.ptr(&z.buf)).unwrap_or(0);
-        // Short rows (per-head norms) a warp each, eight to a block; long ones a block each.
-        if groups > 0 && cols <= SHORT_NORM_COLS {
+        // Many short rows (a prefill chunk's per-head norms) a warp each, eight to a block; long
+        // rows, and the few of one decode token (where the block kernel is faster: 1.30 against
+        // 2.04 us for 32 rows of 128), a block each.
+        if groups >= SHORT_NORM_MIN_ROWS && cols <= SHORT_NORM_COLS {
             launch!(
                 self,
                 self.k.rms_norm_warp,
