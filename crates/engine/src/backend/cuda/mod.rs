@@ -155,6 +155,10 @@ struct Kernels {
     conv1d_silu: CudaFunction,
     /// Key dims 64, 128, 256.
     gdn_recurrence: [CudaFunction; 3],
+    /// The chunked recurrence for prefill (key and value dims 128): `gdn_chunk_prep` and
+    /// `gdn_chunk_state`. `None` where the device cannot give a block their shared memory, or
+    /// with `LILY_CUDA_GDN_CHUNKED=0` (the token loop then serves every length).
+    gdn_chunked: Option<GdnChunked>,
     rope: CudaFunction,
     kv_write: CudaFunction,
     attn_prep: CudaFunction,
@@ -168,6 +172,12 @@ struct Kernels {
     /// give a block the shared memory it needs (the split-K kernels serve instead).
     attention_prefill: [Option<CudaFunction>; 3],
     kv_split: CudaFunction,
+}
+
+/// The two kernels of the chunked GDN recurrence (kernels/gdn.cu).
+struct GdnChunked {
+    prep: CudaFunction,
+    state: CudaFunction,
 }
 
 impl Kernels {
@@ -296,6 +306,15 @@ impl Kernels {
                 f("gdn", "gdn_recurrence_k128")?,
                 f("gdn", "gdn_recurrence_k256")?,
             ],
+            gdn_chunked: if std::env::var("LILY_CUDA_GDN_CHUNKED").is_ok_and(|v| v == "0") {
+                None
+            } else {
+                let prep = f("gdn", "gdn_chunk_prep_d128")?;
+                let state = f("gdn", "gdn_chunk_state_d128")?;
+                (allow_dynamic_smem(&prep, gdn_prep_smem_bytes(128)).is_ok()
+                    && allow_dynamic_smem(&state, gdn_state_smem_bytes(128)).is_ok())
+                .then_some(GdnChunked { prep, state })
+            },
             rope: f("attention", "rope")?,
             kv_write: f("attention", "kv_write")?,
             attn_prep: f("attention", "attn_prep")?,
@@ -330,6 +349,25 @@ fn allow_dynamic_smem(func: &CudaFunction, bytes: usize) -> Result<()> {
 /// traps if a launch gives it less).
 fn fa_smem_bytes(d: usize) -> usize {
     2 * (2 * FA_QUERIES * (d + 8) + 4 * 32 * (d + 8))
+}
+
+/// Tokens per chunk of the chunked GDN recurrence (`GDN_C`, kernels/gdn.cu) and state rows per
+/// block of its second kernel (`GDN_STATE_ROWS`).
+const GDN_CHUNK: usize = 64;
+const GDN_STATE_ROWS: usize = 32;
+/// Inputs of at least this many tokens take the chunked recurrence; decode and shorter inputs
+/// take the token loop.
+const GDN_CHUNKED_MIN_TOKENS: usize = 32;
+
+/// Dynamic shared memory of `gdn_chunk_prep` and `gdn_chunk_state` for key/value dim `d`
+/// (`gdn_prep_smem_bytes`, `gdn_state_smem_bytes`, kernels/gdn.cu; the kernels trap if a launch
+/// gives them less).
+fn gdn_prep_smem_bytes(d: usize) -> usize {
+    4 * (2 * GDN_CHUNK * (d + 4) + GDN_CHUNK * d + GDN_CHUNK * (GDN_CHUNK + 1) + 3 * GDN_CHUNK)
+}
+fn gdn_state_smem_bytes(d: usize) -> usize {
+    let (c, r) = (GDN_CHUNK, GDN_STATE_ROWS);
+    4 * (2 * c * (d + 4) + c * (r + 4) + c * (c + 4) + c * (d + 4) + r * (d + 4) + c * (r + 1))
 }
 
 /// Dynamic shared memory of the decode attention kernel for head dim `d` and `group` query
@@ -2175,7 +2213,66 @@ impl Backend for CudaBackend {
             ));
         }
         let y = self.tensor(qkv.rows, hv * dv)?;
-        if qkv.rows > 0 {
+        let t = qkv.rows;
+        if let Some(gdn_chunk) = &self.k.gdn_chunked
+            && dk == 128
+            && dv == 128
+            && t >= GDN_CHUNKED_MIN_TOKENS
+        {
+            // Per (chunk, value head): [W; gamma Q], Kd, U', P and the chunk's decay.
+            let blocks = t.div_ceil(GDN_CHUNK) * hv;
+            let c = GDN_CHUNK;
+            let wq = self.tmp::<f32>(blocks * 2 * c * dk)?;
+            let kd = self.tmp::<f32>(blocks * c * dk)?;
+            let u = self.tmp::<f32>(blocks * c * dv)?;
+            let p = self.tmp::<f32>(blocks * c * c)?;
+            let gch = self.tmp::<f32>(blocks)?;
+            launch!(
+                self,
+                gdn_chunk.prep,
+                cfg(
+                    (t.div_ceil(c) as u32, hv as u32),
+                    256,
+                    gdn_prep_smem_bytes(dk)
+                ),
+                [
+                    self.ptr(&qkv.buf),
+                    self.ptr(&a.buf),
+                    self.ptr(&b.buf),
+                    self.ptr(a_log),
+                    self.ptr(dt_bias),
+                    wq.ptr,
+                    kd.ptr,
+                    u.ptr,
+                    p.ptr,
+                    gch.ptr,
+                    t as i32,
+                    hk as i32,
+                    hv as i32,
+                    GDN_L2_EPS
+                ]
+            )?;
+            launch!(
+                self,
+                gdn_chunk.state,
+                cfg(
+                    (hv as u32, (dv / GDN_STATE_ROWS) as u32),
+                    256,
+                    gdn_state_smem_bytes(dk)
+                ),
+                [
+                    wq.ptr,
+                    kd.ptr,
+                    u.ptr,
+                    p.ptr,
+                    gch.ptr,
+                    self.ptr(&s.state),
+                    self.ptr(&y.buf),
+                    t as i32,
+                    hv as i32
+                ]
+            )?;
+        } else if t > 0 {
             // 8 state rows per block, sixteen threads each.
             launch!(
                 self,

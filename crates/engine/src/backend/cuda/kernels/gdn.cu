@@ -213,3 +213,341 @@ __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const floa
 GDN_RECURRENCE(64)
 GDN_RECURRENCE(128)
 GDN_RECURRENCE(256)
+
+// ---- prefill: the same recurrence, a chunk of tokens at a time.
+//
+// Over a chunk of C tokens entered with state S0 (rows are value dims), the token loop above
+// unrolls to products of whole matrices:
+//   G[t][j] = decay_{j+1} ... decay_t (1 on the diagonal),  gamma_t = decay_0 ... decay_t,
+//   (I + A) U = beta (V - gamma K S0^T),  A[t][j] = beta_t G[t][j] (k_t . k_j) for j < t,
+//   O = gamma Q S0^T + P U,               P[t][j] = G[t][j] (q_t . k_j) for j <= t,
+//   S_end = gamma_{C-1} S0 + U^T (G[C-1][.] K),
+// where row t of U is the token's delta, beta_t (v_t - decay_t S_{t-1} k_t). Writing
+// U = U' - W S0^T with W = (I + A)^-1 (beta gamma K) and U' = (I + A)^-1 (beta V), all but S0
+// is known per chunk: gdn_chunk_prep computes it for every chunk at once, then gdn_chunk_state
+// walks the chunks in order with three products each. Every value is f32 as in the token loop;
+// each G[t][.] is the exp of a sum of log-decays taken backwards from the diagonal, so a short
+// span keeps its precision however long the chunk's prefix is (exp of a difference of prefix
+// sums would not).
+constexpr int GDN_C = 64;  // tokens per chunk
+constexpr int GDN_PREP_THREADS = 256;
+constexpr int GDN_STATE_ROWS = 32;  // state rows per gdn_chunk_state block
+constexpr int GDN_STATE_THREADS = 256;
+
+// gdn_chunk_prep's shared memory (floats): k and q [C][D + 4], v [C][D], G (then A) [C][C + 1],
+// log-decay, beta and gamma [C].
+__host__ __device__ constexpr int gdn_prep_smem_bytes(int d) {
+    return 4 * (2 * GDN_C * (d + 4) + GDN_C * d + GDN_C * (GDN_C + 1) + 3 * GDN_C);
+}
+
+// gdn_chunk_state's shared memory (floats): one stage with the chunk's [W; gamma Q] [2C][D + 4]
+// and the block's columns of U' [C][R + 4]; another with P [C][C + 4] and Kd [C][D + 4]; the
+// block's state rows [R][D + 4] and U [C][R + 1].
+__host__ __device__ constexpr int gdn_state_smem_bytes(int d) {
+    return 4 * (2 * GDN_C * (d + 4) + GDN_C * (GDN_STATE_ROWS + 4) + GDN_C * (GDN_C + 4) + GDN_C * (d + 4) +
+                GDN_STATE_ROWS * (d + 4) + GDN_C * (GDN_STATE_ROWS + 1));
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
+    return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
+}
+__device__ __forceinline__ float4 scale4(float4 a, float s) { return make_float4(a.x * s, a.y * s, a.z * s, a.w * s); }
+
+// One block per (chunk blockIdx.x, value head blockIdx.y), 256 threads. Writes, per (chunk,
+// head) at index chunk * Hv + head: wq [2C][D] (W, then gamma Q with q normalised and scaled as
+// in the token loop), kd [C][D] (G[n-1][t] k_t, n the chunk's tokens), u [C][D] (U'), p [C][C]
+// and gch (gamma_{n-1}). Rows past the last token are zero.
+template <int D>
+__device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const float* a, const float* b,
+                                                    const float* a_log, const float* dt_bias, float* wq, float* kd,
+                                                    float* u, float* p, float* gch, int tokens, int hk, int hv,
+                                                    float l2_eps) {
+    static_assert(2 * D == GDN_PREP_THREADS, "one thread per column of [K | V]");
+    constexpr int C = GDN_C, KP = D + 4, MP = C + 1, D4 = D / 4;
+    extern __shared__ float4 gdn_smem4[];
+    float* ks = reinterpret_cast<float*>(gdn_smem4);
+    float* qs = ks + C * KP;
+    float* vs = qs + C * KP;
+    float* m = vs + C * D;
+    float* lg = m + C * MP;
+    float* beta = lg + C;
+    float* gam = beta + C;
+    require_dynamic_smem(gdn_prep_smem_bytes(D));
+    const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int t0 = ci * C, n = min(C, tokens - t0);
+    const int kh = h / (hv / hk), kcols = hk * D, cols = 2 * kcols + hv * D;
+    const float qscale = rsqrtf((float)D), neg_a = -expf(a_log[h]), dtb = dt_bias[h];
+    const size_t blk = (size_t)ci * hv + h;
+    wq += blk * 2 * C * D;
+    kd += blk * C * D;
+    u += blk * C * D;
+    p += blk * C * C;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = tid; i < C * D4; i += GDN_PREP_THREADS) {
+        const int t = i / D4, x = i % D4;
+        float4 q4 = zero, k4 = zero, v4 = zero;
+        if (t < n) {
+            const float4* row = reinterpret_cast<const float4*>(qkv + (size_t)(t0 + t) * cols);
+            q4 = row[kh * D4 + x];
+            k4 = row[(kcols + kh * D) / 4 + x];
+            v4 = row[(2 * kcols + h * D) / 4 + x];
+        }
+        *reinterpret_cast<float4*>(qs + t * KP + 4 * x) = q4;
+        *reinterpret_cast<float4*>(ks + t * KP + 4 * x) = k4;
+        *reinterpret_cast<float4*>(vs + t * D + 4 * x) = v4;
+    }
+    if (tid < C) {
+        const bool ok = tid < n;
+        lg[tid] = ok ? neg_a * softplus(a[(size_t)(t0 + tid) * hv + h] + dtb) : 0.f;
+        beta[tid] = ok ? sigmoid(b[(size_t)(t0 + tid) * hv + h]) : 0.f;
+    }
+    __syncthreads();
+    // q and k l2-normalised (q also scaled by D^-1/2), a warp per token.
+    for (int t = warp; t < n; t += GDN_PREP_THREADS / 32) {
+        float qq = 0.f, kk = 0.f;
+        for (int x = lane; x < D; x += 32) {
+            qq = fmaf(qs[t * KP + x], qs[t * KP + x], qq);
+            kk = fmaf(ks[t * KP + x], ks[t * KP + x], kk);
+        }
+        qq = warp_sum(qq);
+        kk = warp_sum(kk);
+        const float qn = qscale / sqrtf(qq + l2_eps), kn = 1.f / sqrtf(kk + l2_eps);
+        for (int x = lane; x < D; x += 32) {
+            qs[t * KP + x] *= qn;
+            ks[t * KP + x] *= kn;
+        }
+    }
+    // Row t of G walked backwards from the diagonal; gamma_t is the walk's end.
+    if (tid < C) {
+        float seg = 0.f;
+        for (int j = tid; j >= 0; --j) {
+            m[tid * MP + j] = expf(seg);
+            seg += lg[j];
+        }
+        gam[tid] = expf(seg);
+    }
+    __syncthreads();
+    const float* g_end = m + (n - 1) * MP;  // G[n-1][j]: decay from token j to the chunk's end
+    for (int i = tid; i < C * D4; i += GDN_PREP_THREADS) {
+        const int t = i / D4, x = i % D4;
+        const float4 q4 = *reinterpret_cast<const float4*>(qs + t * KP + 4 * x);
+        const float4 k4 = *reinterpret_cast<const float4*>(ks + t * KP + 4 * x);
+        reinterpret_cast<float4*>(wq + (size_t)(C + t) * D)[x] = scale4(q4, gam[t]);
+        reinterpret_cast<float4*>(kd + (size_t)t * D)[x] = scale4(k4, t < n ? g_end[t] : 0.f);
+    }
+    // K K^T and Q K^T, a 4x4 tile each per thread: rows ti + 16e, columns tj + 16f.
+    const int ti = tid / 16, tj = tid % 16;
+    float kk[4][4], qk[4][4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int f = 0; f < 4; ++f) kk[e][f] = qk[e][f] = 0.f;
+#pragma unroll 2
+    for (int d = 0; d < D; d += 4) {
+        float4 kr[4], qr[4], kc[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            kr[e] = *reinterpret_cast<const float4*>(ks + (ti + 16 * e) * KP + d);
+            qr[e] = *reinterpret_cast<const float4*>(qs + (ti + 16 * e) * KP + d);
+            kc[e] = *reinterpret_cast<const float4*>(ks + (tj + 16 * e) * KP + d);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+            for (int f = 0; f < 4; ++f) {
+                kk[e][f] = dot4(kr[e], kc[f], kk[e][f]);
+                qk[e][f] = dot4(qr[e], kc[f], qk[e][f]);
+            }
+    }
+    __syncthreads();  // G's last row has been read; A now replaces G, each entry by its reader
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int f = 0; f < 4; ++f) {
+            const int i = ti + 16 * e, j = tj + 16 * f;
+            const float g = m[i * MP + j];
+            p[i * C + j] = j <= i ? qk[e][f] * g : 0.f;
+            m[i * MP + j] = j < i ? beta[i] * g * kk[e][f] : 0.f;
+        }
+    __syncthreads();
+    // (I + A) [W | U'] = [beta gamma K | beta V] by forward substitution, in place: thread c owns
+    // column c, and row i needs only its own column's earlier rows.
+    {
+        const bool kcol = tid < D;
+        float* col = kcol ? ks + tid : vs + (tid - D);
+        const int pitch = kcol ? KP : D;
+        for (int i = 0; i < n; ++i) {
+            const float* ai = m + i * MP;
+            float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+            int j = 0;
+            for (; j + 4 <= i; j += 4) {
+                acc0 = fmaf(ai[j], col[j * pitch], acc0);
+                acc1 = fmaf(ai[j + 1], col[(j + 1) * pitch], acc1);
+                acc2 = fmaf(ai[j + 2], col[(j + 2) * pitch], acc2);
+                acc3 = fmaf(ai[j + 3], col[(j + 3) * pitch], acc3);
+            }
+            for (; j < i; ++j) acc0 = fmaf(ai[j], col[j * pitch], acc0);
+            const float x = col[i * pitch] * (kcol ? beta[i] * gam[i] : beta[i]);
+            col[i * pitch] = x - ((acc0 + acc1) + (acc2 + acc3));
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < C * D4; i += GDN_PREP_THREADS) {
+        const int t = i / D4, x = i % D4;
+        reinterpret_cast<float4*>(wq + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(ks + t * KP + 4 * x);
+        reinterpret_cast<float4*>(u + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(vs + t * D + 4 * x);
+    }
+    if (tid == 0) gch[blk] = gam[n - 1];
+}
+
+// One block per (value head blockIdx.x, state rows [blockIdx.y * R, +R)), 256 threads, walking
+// the chunks in order: U = U' - W S^T, O = gamma Q S^T + P U (into y), S = gamma_end S + Kd^T U.
+// Thread (tg, rg) = (tid / 8, tid % 8) owns rows rg + 8f of U and O at tokens tg and tg + 32,
+// and keys 4tg .. 4tg + 3 of those state rows, which stay in its registers (a copy in shared
+// memory serves the first product). Each chunk's inputs arrive by cp.async in two stages, each
+// copied while the other stage's products run.
+template <int D>
+__device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const float* kd, const float* u,
+                                                     const float* p, const float* gch, float* state, float* y,
+                                                     int tokens, int hv) {
+    constexpr int C = GDN_C, R = GDN_STATE_ROWS, KP = D + 4, UP = R + 4, PP = C + 4, XP = R + 1;
+    static_assert(D == 128 && C == 64 && R == 32 && GDN_STATE_THREADS == 256, "the thread map below");
+    extern __shared__ float4 gdn_smem4[];
+    float* wqs = reinterpret_cast<float*>(gdn_smem4);  // stage 1: [W; gamma Q] [2C][KP]
+    float* uin = wqs + 2 * C * KP;                      //          U' columns [C][UP]
+    float* ps = uin + C * UP;                           // stage 2: P [C][PP]
+    float* kds = ps + C * PP;                           //          Kd [C][KP]
+    float* ss = kds + C * KP;                           // state rows [R][KP]
+    float* us = ss + R * KP;                            // U [C][XP]
+    require_dynamic_smem(gdn_state_smem_bytes(D));
+    const int h = blockIdx.x, row0 = blockIdx.y * R, tid = threadIdx.x, tg = tid / 8, rg = tid % 8;
+    const int chunks = (tokens + C - 1) / C;
+    float* st = state + ((size_t)h * D + row0) * D;
+    float4 s[4];
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+        s[f] = reinterpret_cast<const float4*>(st + (size_t)(rg + 8 * f) * D)[tg];
+        *reinterpret_cast<float4*>(ss + (rg + 8 * f) * KP + 4 * tg) = s[f];
+    }
+    auto fetch_stage1 = [&](int ci) {
+        const size_t blk = (size_t)ci * hv + h;
+        const float* src = wq + blk * 2 * C * D;
+        for (int i = tid; i < 2 * C * D / 4; i += GDN_STATE_THREADS) {
+            const int t = i / (D / 4), x = i % (D / 4);
+            cp_async16(wqs + t * KP + 4 * x, src + (size_t)t * D + 4 * x);
+        }
+        const float* usrc = u + blk * C * D + row0;
+        for (int i = tid; i < C * R / 4; i += GDN_STATE_THREADS) {
+            const int t = i / (R / 4), x = i % (R / 4);
+            cp_async16(uin + t * UP + 4 * x, usrc + (size_t)t * D + 4 * x);
+        }
+        cp_async_commit();
+    };
+    auto fetch_stage2 = [&](int ci) {
+        const size_t blk = (size_t)ci * hv + h;
+        for (int i = tid; i < C * C / 4; i += GDN_STATE_THREADS) {
+            const int t = i / (C / 4), x = i % (C / 4);
+            cp_async16(ps + t * PP + 4 * x, p + blk * C * C + (size_t)t * C + 4 * x);
+        }
+        for (int i = tid; i < C * D / 4; i += GDN_STATE_THREADS) {
+            const int t = i / (D / 4), x = i % (D / 4);
+            cp_async16(kds + t * KP + 4 * x, kd + blk * C * D + (size_t)t * D + 4 * x);
+        }
+        cp_async_commit();
+    };
+    if (chunks > 0) {
+        fetch_stage1(0);
+        fetch_stage2(0);
+    }
+    for (int ci = 0; ci < chunks; ++ci) {
+        cp_async_wait_one();  // stage 1 has landed; stage 2 may still be on its way
+        __syncthreads();
+        // [W; gamma Q] S^T at tokens tg + 32e (W for e < 2, gamma Q after), rows rg + 8f.
+        float acc[4][4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+            for (int f = 0; f < 4; ++f) acc[e][f] = 0.f;
+#pragma unroll 2
+        for (int d = 0; d < D; d += 4) {
+            float4 wr[4], sr[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) wr[e] = *reinterpret_cast<const float4*>(wqs + (tg + 32 * e) * KP + d);
+#pragma unroll
+            for (int f = 0; f < 4; ++f) sr[f] = *reinterpret_cast<const float4*>(ss + (rg + 8 * f) * KP + d);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+#pragma unroll
+                for (int f = 0; f < 4; ++f) acc[e][f] = dot4(wr[e], sr[f], acc[e][f]);
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int f = 0; f < 4; ++f) {
+                const int t = tg + 32 * e, r = rg + 8 * f;
+                us[t * XP + r] = uin[t * UP + r] - acc[e][f];
+            }
+        __syncthreads();  // U is complete, and stage 1 has been read
+        if (ci + 1 < chunks) {
+            fetch_stage1(ci + 1);
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();  // stage 2 is visible to every thread
+        // O = gamma Q S^T + P U (P is zero above the diagonal).
+        const int t0 = ci * C;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int t = tg + 32 * e;
+            float o[4];
+#pragma unroll
+            for (int f = 0; f < 4; ++f) o[f] = acc[2 + e][f];
+            for (int j = 0; j <= t; ++j) {
+                const float pj = ps[t * PP + j];
+#pragma unroll
+                for (int f = 0; f < 4; ++f) o[f] = fmaf(pj, us[j * XP + rg + 8 * f], o[f]);
+            }
+            if (t0 + t < tokens)
+#pragma unroll
+                for (int f = 0; f < 4; ++f) y[(size_t)(t0 + t) * hv * D + h * D + row0 + rg + 8 * f] = o[f];
+        }
+        // S = gamma_end S + Kd^T U for this thread's keys.
+        const float g = gch[(size_t)ci * hv + h];
+#pragma unroll
+        for (int f = 0; f < 4; ++f) s[f] = scale4(s[f], g);
+#pragma unroll 4
+        for (int t = 0; t < C; ++t) {
+            const float4 k4 = *reinterpret_cast<const float4*>(kds + t * KP + 4 * tg);
+#pragma unroll
+            for (int f = 0; f < 4; ++f) {
+                const float uv = us[t * XP + rg + 8 * f];
+                s[f] = make_float4(fmaf(uv, k4.x, s[f].x), fmaf(uv, k4.y, s[f].y), fmaf(uv, k4.z, s[f].z),
+                                   fmaf(uv, k4.w, s[f].w));
+            }
+        }
+#pragma unroll
+        for (int f = 0; f < 4; ++f) *reinterpret_cast<float4*>(ss + (rg + 8 * f) * KP + 4 * tg) = s[f];
+        __syncthreads();  // stage 2 and U have been read; the state rows are written
+        if (ci + 1 < chunks) fetch_stage2(ci + 1);
+    }
+#pragma unroll
+    for (int f = 0; f < 4; ++f) reinterpret_cast<float4*>(st + (size_t)(rg + 8 * f) * D)[tg] = s[f];
+}
+
+// Key and value dims 128. gdn_chunk_prep: (ceil(T / C), Hv) blocks of 256 threads with
+// gdn_prep_smem_bytes(128); gdn_chunk_state: (Hv, 128 / R) blocks of 256 threads with
+// gdn_state_smem_bytes(128), after it on the same stream.
+extern "C" __global__ void __launch_bounds__(GDN_PREP_THREADS)
+    gdn_chunk_prep_d128(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
+                        float* wq, float* kd, float* u, float* p, float* gch, int tokens, int hk, int hv,
+                        float l2_eps) {
+    grid_dep();
+    gdn_chunk_prep_impl<128>(qkv, a, b, a_log, dt_bias, wq, kd, u, p, gch, tokens, hk, hv, l2_eps);
+}
+extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS)
+    gdn_chunk_state_d128(const float* wq, const float* kd, const float* u, const float* p, const float* gch,
+                         float* state, float* y, int tokens, int hv) {
+    grid_dep();
+    gdn_chunk_state_impl<128>(wq, kd, u, p, gch, state, y, tokens, hv);
+}
