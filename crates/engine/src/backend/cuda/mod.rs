@@ -363,7 +363,7 @@ const GDN_CHUNKED_MIN_TOKENS: usize = 32;
 /// (`gdn_prep_smem_bytes`, `gdn_state_smem_bytes`, kernels/gdn.cu; the kernels trap if a launch
 /// gives them less).
 fn gdn_prep_smem_bytes(d: usize) -> usize {
-    4 * (2 * GDN_CHUNK * (d + 4) + GDN_CHUNK * d + GDN_CHUNK * (GDN_CHUNK + 1) + 3 * GDN_CHUNK)
+    4 * (2 * GDN_CHUNK * (d + 4) + GDN_CHUNK * (GDN_CHUNK + 4) + 3 * GDN_CHUNK)
 }
 fn gdn_state_smem_bytes(d: usize) -> usize {
     let (c, r) = (GDN_CHUNK, GDN_STATE_ROWS);

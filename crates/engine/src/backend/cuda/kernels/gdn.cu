@@ -234,10 +234,10 @@ constexpr int GDN_PREP_THREADS = 256;
 constexpr int GDN_STATE_ROWS = 32;  // state rows per gdn_chunk_state block
 constexpr int GDN_STATE_THREADS = 256;
 
-// gdn_chunk_prep's shared memory (floats): k and q [C][D + 4], v [C][D], G (then A) [C][C + 1],
-// log-decay, beta and gamma [C].
+// gdn_chunk_prep's shared memory (floats): k and q (then v) [C][D + 4], G (then A) [C][C + 4],
+// log-decay, beta and gamma [C]. 86 KiB at D = 128, so two blocks fit an SM.
 __host__ __device__ constexpr int gdn_prep_smem_bytes(int d) {
-    return 4 * (2 * GDN_C * (d + 4) + GDN_C * d + GDN_C * (GDN_C + 1) + 3 * GDN_C);
+    return 4 * (2 * GDN_C * (d + 4) + GDN_C * (GDN_C + 4) + 3 * GDN_C);
 }
 
 // gdn_chunk_state's shared memory (floats): one stage with the chunk's [W; gamma Q] [2C][D + 4]
@@ -263,12 +263,12 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
                                                     float* u, float* p, float* gch, int tokens, int hk, int hv,
                                                     float l2_eps) {
     static_assert(2 * D == GDN_PREP_THREADS, "one thread per column of [K | V]");
-    constexpr int C = GDN_C, KP = D + 4, MP = C + 1, D4 = D / 4;
+    constexpr int C = GDN_C, KP = D + 4, MP = C + 4, D4 = D / 4;
+    constexpr int PER_THREAD = C * D4 / GDN_PREP_THREADS;  // float4 of each of q, k, v
     extern __shared__ float4 gdn_smem4[];
     float* ks = reinterpret_cast<float*>(gdn_smem4);
-    float* qs = ks + C * KP;
-    float* vs = qs + C * KP;
-    float* m = vs + C * D;
+    float* qs = ks + C * KP;  // q until its products are done, then v
+    float* m = qs + C * KP;
     float* lg = m + C * MP;
     float* beta = lg + C;
     float* gam = beta + C;
@@ -283,18 +283,21 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     u += blk * C * D;
     p += blk * C * C;
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int i = tid; i < C * D4; i += GDN_PREP_THREADS) {
-        const int t = i / D4, x = i % D4;
-        float4 q4 = zero, k4 = zero, v4 = zero;
+    // q and k into shared memory; v waits in registers until q's products are done.
+    float4 v4[PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < PER_THREAD; ++r) {
+        const int i = tid + r * GDN_PREP_THREADS, t = i / D4, x = i % D4;
+        float4 q4 = zero, k4 = zero;
+        v4[r] = zero;
         if (t < n) {
             const float4* row = reinterpret_cast<const float4*>(qkv + (size_t)(t0 + t) * cols);
             q4 = row[kh * D4 + x];
             k4 = row[(kcols + kh * D) / 4 + x];
-            v4 = row[(2 * kcols + h * D) / 4 + x];
+            v4[r] = row[(2 * kcols + h * D) / 4 + x];
         }
         *reinterpret_cast<float4*>(qs + t * KP + 4 * x) = q4;
         *reinterpret_cast<float4*>(ks + t * KP + 4 * x) = k4;
-        *reinterpret_cast<float4*>(vs + t * D + 4 * x) = v4;
     }
     if (tid < C) {
         const bool ok = tid < n;
@@ -359,7 +362,13 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
                 qk[e][f] = dot4(qr[e], kc[f], qk[e][f]);
             }
     }
-    __syncthreads();  // G's last row has been read; A now replaces G, each entry by its reader
+    __syncthreads();  // q and G's last row have been read: v replaces q, A replaces G (each entry by its reader)
+#pragma unroll
+    for (int r = 0; r < PER_THREAD; ++r) {
+        const int i = tid + r * GDN_PREP_THREADS;
+        *reinterpret_cast<float4*>(qs + (i / D4) * KP + 4 * (i % D4)) = v4[r];
+    }
+    float* vs = qs;
 #pragma unroll
     for (int e = 0; e < 4; ++e)
 #pragma unroll
@@ -370,32 +379,39 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
             m[i * MP + j] = j < i ? beta[i] * g * kk[e][f] : 0.f;
         }
     __syncthreads();
-    // (I + A) [W | U'] = [beta gamma K | beta V] by forward substitution, in place: thread c owns
-    // column c, and row i needs only its own column's earlier rows.
+    // (I + A) [W | U'] = [beta gamma K | beta V] by forward substitution: thread c owns column
+    // c, held in registers (the loops unroll, so every index is static). Row i needs only its
+    // own column's earlier rows; A is zero on and above the diagonal, so whole float4 of A's
+    // row can be taken, against entries still zero.
     {
         const bool kcol = tid < D;
-        float* col = kcol ? ks + tid : vs + (tid - D);
-        const int pitch = kcol ? KP : D;
-        for (int i = 0; i < n; ++i) {
-            const float* ai = m + i * MP;
+        float* col = (kcol ? ks : vs) + (tid % D);
+        float r[C];
+#pragma unroll
+        for (int i = 0; i < C; ++i) r[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < C; ++i) {
+            const float4* ai = reinterpret_cast<const float4*>(m + i * MP);
             float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
-            int j = 0;
-            for (; j + 4 <= i; j += 4) {
-                acc0 = fmaf(ai[j], col[j * pitch], acc0);
-                acc1 = fmaf(ai[j + 1], col[(j + 1) * pitch], acc1);
-                acc2 = fmaf(ai[j + 2], col[(j + 2) * pitch], acc2);
-                acc3 = fmaf(ai[j + 3], col[(j + 3) * pitch], acc3);
+#pragma unroll
+            for (int j4 = 0; j4 < (i + 3) / 4; ++j4) {
+                const float4 a4 = ai[j4];
+                acc0 = fmaf(a4.x, r[4 * j4], acc0);
+                acc1 = fmaf(a4.y, r[4 * j4 + 1], acc1);
+                acc2 = fmaf(a4.z, r[4 * j4 + 2], acc2);
+                acc3 = fmaf(a4.w, r[4 * j4 + 3], acc3);
             }
-            for (; j < i; ++j) acc0 = fmaf(ai[j], col[j * pitch], acc0);
-            const float x = col[i * pitch] * (kcol ? beta[i] * gam[i] : beta[i]);
-            col[i * pitch] = x - ((acc0 + acc1) + (acc2 + acc3));
+            const float x = col[i * KP] * (kcol ? beta[i] * gam[i] : beta[i]);
+            r[i] = x - ((acc0 + acc1) + (acc2 + acc3));
         }
+#pragma unroll
+        for (int i = 0; i < C; ++i) col[i * KP] = r[i];
     }
     __syncthreads();
     for (int i = tid; i < C * D4; i += GDN_PREP_THREADS) {
         const int t = i / D4, x = i % D4;
         reinterpret_cast<float4*>(wq + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(ks + t * KP + 4 * x);
-        reinterpret_cast<float4*>(u + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(vs + t * D + 4 * x);
+        reinterpret_cast<float4*>(u + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(vs + t * KP + 4 * x);
     }
     if (tid == 0) gch[blk] = gam[n - 1];
 }
@@ -495,22 +511,29 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
             cp_async_wait_all();
         }
         __syncthreads();  // stage 2 is visible to every thread
-        // O = gamma Q S^T + P U (P is zero above the diagonal).
+        // O = gamma Q S^T + P U at tokens tg and tg + 32, sharing U's loads (P is zero above
+        // the diagonal, so token tg may run on to tg + 32).
         const int t0 = ci * C;
+        float o[2][4];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int f = 0; f < 4; ++f) o[e][f] = acc[2 + e][f];
+        for (int j = 0; j <= tg + 32; ++j) {
+            const float p0 = ps[tg * PP + j], p1 = ps[(tg + 32) * PP + j];
+#pragma unroll
+            for (int f = 0; f < 4; ++f) {
+                const float uj = us[j * XP + rg + 8 * f];
+                o[0][f] = fmaf(p0, uj, o[0][f]);
+                o[1][f] = fmaf(p1, uj, o[1][f]);
+            }
+        }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int t = tg + 32 * e;
-            float o[4];
-#pragma unroll
-            for (int f = 0; f < 4; ++f) o[f] = acc[2 + e][f];
-            for (int j = 0; j <= t; ++j) {
-                const float pj = ps[t * PP + j];
-#pragma unroll
-                for (int f = 0; f < 4; ++f) o[f] = fmaf(pj, us[j * XP + rg + 8 * f], o[f]);
-            }
             if (t0 + t < tokens)
 #pragma unroll
-                for (int f = 0; f < 4; ++f) y[(size_t)(t0 + t) * hv * D + h * D + row0 + rg + 8 * f] = o[f];
+                for (int f = 0; f < 4; ++f) y[(size_t)(t0 + t) * hv * D + h * D + row0 + rg + 8 * f] = o[e][f];
         }
         // S = gamma_end S + Kd^T U for this thread's keys.
         const float g = gch[(size_t)ci * hv + h];
@@ -538,7 +561,7 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
 // Key and value dims 128. gdn_chunk_prep: (ceil(T / C), Hv) blocks of 256 threads with
 // gdn_prep_smem_bytes(128); gdn_chunk_state: (Hv, 128 / R) blocks of 256 threads with
 // gdn_state_smem_bytes(128), after it on the same stream.
-extern "C" __global__ void __launch_bounds__(GDN_PREP_THREADS)
+extern "C" __global__ void __launch_bounds__(GDN_PREP_THREADS, 2)
     gdn_chunk_prep_d128(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
                         float* wq, float* kd, float* u, float* p, float* gch, int tokens, int hk, int hv,
                         float l2_eps) {
