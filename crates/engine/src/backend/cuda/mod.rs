@@ -367,7 +367,12 @@ fn gdn_prep_smem_bytes(d: usize) -> usize {
 }
 fn gdn_state_smem_bytes(d: usize) -> usize {
     let (c, r) = (GDN_CHUNK, GDN_STATE_ROWS);
-    4 * (2 * c * (d + 4) + c * (r + 4) + c * (c + 4) + c * (d + 4) + r * (d + 4) + c * (r + 1))
+    4 * (2 * c * (d + 4)
+        + c * (r + 4)
+        + c * (c + 4)
+        + c * (d + 8)
+        + 2 * r * (d + 4)
+        + 2 * c * (r + 8))
 }
 
 /// Dynamic shared memory of the decode attention kernel for head dim `d` and `group` query

@@ -173,3 +173,31 @@ __device__ __forceinline__ void ldsm_bt2(u32 b[4], const u16* tile, int ld) {
     const int l = threadIdx.x & 31;
     ldsm_x4_trans(b, tile + ((l & 7) + 8 * ((l >> 3) & 1)) * ld + 8 * (l >> 4));
 }
+
+// ---- tensor cores on f32 data (sm_80+): tf32 inputs, f32 accumulators.
+
+// x split in two tf32 parts, hi = tf32(x) and lo = tf32(x - hi) (each rounded to nearest): 22
+// significant bits together. Returns (hi, lo) bits.
+__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+}
+
+// d += a * b over one m16n8k8 tile (tf32 inputs, f32 accumulators). Fragments, with g = lane / 4
+// and c = lane % 4: a = A[g][c], A[g + 8][c], A[g][c + 4], A[g + 8][c + 4]; b = B[c][g],
+// B[c + 4][g]; d = D[g][2c], D[g][2c + 1], D[g + 8][2c], D[g + 8][2c + 1].
+__device__ __forceinline__ void mma_tf32(float d[4], const u32 a[4], const u32 b[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// d += a * b to within f32 rounding, from split operands: lo*hi, hi*lo, then hi*hi (the small
+// terms first; lo*lo is below 2^-22 of the product and left out).
+__device__ __forceinline__ void mma_tf32x3(float d[4], const u32 ah[4], const u32 al[4], const u32 bh[2],
+                                           const u32 bl[2]) {
+    mma_tf32(d, al, bh);
+    mma_tf32(d, ah, bl);
+    mma_tf32(d, ah, bh);
+}

@@ -240,17 +240,16 @@ __host__ __device__ constexpr int gdn_prep_smem_bytes(int d) {
     return 4 * (2 * GDN_C * (d + 4) + GDN_C * (GDN_C + 4) + 3 * GDN_C);
 }
 
-// gdn_chunk_state's shared memory (floats): one stage with the chunk's [W; gamma Q] [2C][D + 4]
-// and the block's columns of U' [C][R + 4]; another with P [C][C + 4] and Kd [C][D + 4]; the
-// block's state rows [R][D + 4] and U [C][R + 1].
+// gdn_chunk_state's shared memory (4-byte words): one stage with the chunk's [W; gamma Q]
+// [2C][D + 4] and the block's columns of U' [C][R + 4]; another with P [C][C + 4] and Kd
+// [C][D + 8]; the block's state rows split in tf32 hi and lo [2][R][D + 4], and U split the same
+// way [2][C][R + 8]. Each pitch puts the 32 lanes' fragment reads in 32 different banks. 179 KiB
+// at D = 128.
 __host__ __device__ constexpr int gdn_state_smem_bytes(int d) {
-    return 4 * (2 * GDN_C * (d + 4) + GDN_C * (GDN_STATE_ROWS + 4) + GDN_C * (GDN_C + 4) + GDN_C * (d + 4) +
-                GDN_STATE_ROWS * (d + 4) + GDN_C * (GDN_STATE_ROWS + 1));
+    return 4 * (2 * GDN_C * (d + 4) + GDN_C * (GDN_STATE_ROWS + 4) + GDN_C * (GDN_C + 4) + GDN_C * (d + 8) +
+                2 * GDN_STATE_ROWS * (d + 4) + 2 * GDN_C * (GDN_STATE_ROWS + 8));
 }
 
-__device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
-    return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
-}
 __device__ __forceinline__ float4 scale4(float4 a, float s) { return make_float4(a.x * s, a.y * s, a.z * s, a.w * s); }
 
 // One block per (chunk blockIdx.x, value head blockIdx.y), 256 threads. Writes, per (chunk,
@@ -338,46 +337,62 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
         reinterpret_cast<float4*>(wq + (size_t)(C + t) * D)[x] = scale4(q4, gam[t]);
         reinterpret_cast<float4*>(kd + (size_t)t * D)[x] = scale4(k4, t < n ? g_end[t] : 0.f);
     }
-    // K K^T and Q K^T, a 4x4 tile each per thread: rows ti + 16e, columns tj + 16f.
-    const int ti = tid / 16, tj = tid % 16;
-    float kk[4][4], qk[4][4];
+    // K K^T (warps 0-3) and Q K^T (warps 4-7) on the tensor cores (tf32 split in hi + lo, as in
+    // gdn_chunk_state): warp w takes rows 16 (w % 4) .. + 15 of every column, in acc[n][0..3] at
+    // rows 16 (w % 4) + g (+8) and columns 8n + 2c (+1).
+    const int g = lane >> 2, c = lane & 3, i0 = 16 * (warp % 4);
+    const float* xs = warp < 4 ? ks : qs;
+    float acc[8][4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
+    for (int n = 0; n < 8; ++n)
 #pragma unroll
-        for (int f = 0; f < 4; ++f) kk[e][f] = qk[e][f] = 0.f;
+        for (int r = 0; r < 4; ++r) acc[n][r] = 0.f;
 #pragma unroll 2
-    for (int d = 0; d < D; d += 4) {
-        float4 kr[4], qr[4], kc[4];
+    for (int k0 = 0; k0 < D; k0 += 8) {
+        const float* arow = xs + (i0 + g) * KP + k0 + c;
+        u32 ah[4], al[4];
+        tf32_split(arow[0], ah[0], al[0]);
+        tf32_split(arow[8 * KP], ah[1], al[1]);
+        tf32_split(arow[4], ah[2], al[2]);
+        tf32_split(arow[8 * KP + 4], ah[3], al[3]);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            kr[e] = *reinterpret_cast<const float4*>(ks + (ti + 16 * e) * KP + d);
-            qr[e] = *reinterpret_cast<const float4*>(qs + (ti + 16 * e) * KP + d);
-            kc[e] = *reinterpret_cast<const float4*>(ks + (tj + 16 * e) * KP + d);
+        for (int n = 0; n < 8; ++n) {
+            const float* brow = ks + (8 * n + g) * KP + k0 + c;
+            u32 bh[2], bl[2];
+            tf32_split(brow[0], bh[0], bl[0]);
+            tf32_split(brow[4], bh[1], bl[1]);
+            mma_tf32x3(acc[n], ah, al, bh, bl);
         }
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-#pragma unroll
-            for (int f = 0; f < 4; ++f) {
-                kk[e][f] = dot4(kr[e], kc[f], kk[e][f]);
-                qk[e][f] = dot4(qr[e], kc[f], qk[e][f]);
-            }
     }
-    __syncthreads();  // q and G's last row have been read: v replaces q, A replaces G (each entry by its reader)
+    __syncthreads();  // q and G's last row have been read: v replaces q
 #pragma unroll
     for (int r = 0; r < PER_THREAD; ++r) {
         const int i = tid + r * GDN_PREP_THREADS;
         *reinterpret_cast<float4*>(qs + (i / D4) * KP + 4 * (i % D4)) = v4[r];
     }
     float* vs = qs;
+    // P = G (Q K^T) on and below the diagonal, A = beta G (K K^T) below it; A replaces G once
+    // every warp has read its G.
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
+    for (int n = 0; n < 8; ++n)
 #pragma unroll
-        for (int f = 0; f < 4; ++f) {
-            const int i = ti + 16 * e, j = tj + 16 * f;
-            const float g = m[i * MP + j];
-            p[i * C + j] = j <= i ? qk[e][f] * g : 0.f;
-            m[i * MP + j] = j < i ? beta[i] * g * kk[e][f] : 0.f;
+        for (int r = 0; r < 4; r += 2) {
+            const int i = i0 + g + 4 * r, j = 8 * n + 2 * c;
+            const float g0 = m[i * MP + j], g1 = m[i * MP + j + 1];
+            if (warp < 4) {
+                acc[n][r] = j < i ? beta[i] * g0 * acc[n][r] : 0.f;
+                acc[n][r + 1] = j + 1 < i ? beta[i] * g1 * acc[n][r + 1] : 0.f;
+            } else {
+                *reinterpret_cast<float2*>(p + i * C + j) =
+                    make_float2(j <= i ? acc[n][r] * g0 : 0.f, j + 1 <= i ? acc[n][r + 1] * g1 : 0.f);
+            }
         }
+    __syncthreads();
+    if (warp < 4)
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) m[(i0 + g + 8 * (r >> 1)) * MP + 8 * n + 2 * c + (r & 1)] = acc[n][r];
     __syncthreads();
     // (I + A) [W | U'] = [beta gamma K | beta V] by forward substitution: thread c owns column
     // c, held in registers (the loops unroll, so every index is static). Row i needs only its
@@ -416,34 +431,63 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     if (tid == 0) gch[blk] = gam[n - 1];
 }
 
-// One block per (value head blockIdx.x, state rows [blockIdx.y * R, +R)), 256 threads, walking
-// the chunks in order: U = U' - W S^T, O = gamma Q S^T + P U (into y), S = gamma_end S + Kd^T U.
-// Thread (tg, rg) = (tid / 8, tid % 8) owns rows rg + 8f of U and O at tokens tg and tg + 32,
-// and keys 4tg .. 4tg + 3 of those state rows, which stay in its registers (a copy in shared
-// memory serves the first product). Each chunk's inputs arrive by cp.async in two stages, each
-// copied while the other stage's products run.
+// One block per (value head blockIdx.x, state rows [blockIdx.y * R, +R)), 8 warps, walking the
+// chunks in order with three products each, on the tensor cores (tf32, each operand split in
+// hi + lo so that the products keep f32 accuracy, mma_tf32x3):
+//   all warps:  [W; gamma Q] S^T, warp w taking rows 16w .. 16w + 15; warps 0-3 turn theirs
+//               into U = U' - W S^T;
+//   warps 4-7:  O = gamma Q S^T + P U, into y;
+//   warps 0-3, at the same time: S = gamma_end S + U^T Kd, each holding S's rows 0-31 at keys
+//               32w .. 32w + 31 in its accumulators from chunk to chunk.
+// Each chunk's inputs arrive by cp.async in two stages, each copied while the other stage's
+// products run.
 template <int D>
 __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const float* kd, const float* u,
                                                      const float* p, const float* gch, float* state, float* y,
                                                      int tokens, int hv) {
-    constexpr int C = GDN_C, R = GDN_STATE_ROWS, KP = D + 4, UP = R + 4, PP = C + 4, XP = R + 1;
-    static_assert(D == 128 && C == 64 && R == 32 && GDN_STATE_THREADS == 256, "the thread map below");
+    constexpr int C = GDN_C, R = GDN_STATE_ROWS, KP = D + 4, UP = R + 4, PP = C + 4, KDP = D + 8, SP = D + 4,
+                  XP = R + 8;
+    static_assert(D == 128 && C == 64 && R == 32 && GDN_STATE_THREADS == 256, "the warp map below");
     extern __shared__ float4 gdn_smem4[];
     float* wqs = reinterpret_cast<float*>(gdn_smem4);  // stage 1: [W; gamma Q] [2C][KP]
     float* uin = wqs + 2 * C * KP;                      //          U' columns [C][UP]
     float* ps = uin + C * UP;                           // stage 2: P [C][PP]
-    float* kds = ps + C * PP;                           //          Kd [C][KP]
-    float* ss = kds + C * KP;                           // state rows [R][KP]
-    float* us = ss + R * KP;                            // U [C][XP]
+    float* kds = ps + C * PP;                           //          Kd [C][KDP]
+    u32* sh = reinterpret_cast<u32*>(kds + C * KDP);    // state rows, tf32 hi [R][SP]
+    u32* sl = sh + R * SP;                              //                 lo
+    u32* uh = sl + R * SP;                              // U, tf32 hi [C][XP]
+    u32* ul = uh + C * XP;                              //    lo
     require_dynamic_smem(gdn_state_smem_bytes(D));
-    const int h = blockIdx.x, row0 = blockIdx.y * R, tid = threadIdx.x, tg = tid / 8, rg = tid % 8;
+    const int h = blockIdx.x, row0 = blockIdx.y * R, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, c = lane & 3;
     const int chunks = (tokens + C - 1) / C;
     float* st = state + ((size_t)h * D + row0) * D;
-    float4 s[4];
+    // Warps 0-3: S[16m + g (+8)][32w + 8n + 2c (+1)] in s[m][n][0..3], as mma accumulators.
+    float s[2][4][4];
+    auto store_state_split = [&]() {
 #pragma unroll
-    for (int f = 0; f < 4; ++f) {
-        s[f] = reinterpret_cast<const float4*>(st + (size_t)(rg + 8 * f) * D)[tg];
-        *reinterpret_cast<float4*>(ss + (rg + 8 * f) * KP + 4 * tg) = s[f];
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = 16 * m + g + 8 * (i >> 1), d = 32 * warp + 8 * n + 2 * c + (i & 1);
+                    tf32_split(s[m][n][i], sh[r * SP + d], sl[r * SP + d]);
+                }
+    };
+    if (warp < 4) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = 16 * m + g + 8 * half, d = 32 * warp + 8 * n + 2 * c;
+                    const float2 v = *reinterpret_cast<const float2*>(st + (size_t)r * D + d);
+                    s[m][n][2 * half] = v.x;
+                    s[m][n][2 * half + 1] = v.y;
+                }
+        store_state_split();
     }
     auto fetch_stage1 = [&](int ci) {
         const size_t blk = (size_t)ci * hv + h;
@@ -467,7 +511,7 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
         }
         for (int i = tid; i < C * D / 4; i += GDN_STATE_THREADS) {
             const int t = i / (D / 4), x = i % (D / 4);
-            cp_async16(kds + t * KP + 4 * x, kd + blk * C * D + (size_t)t * D + 4 * x);
+            cp_async16(kds + t * KDP + 4 * x, kd + blk * C * D + (size_t)t * D + 4 * x);
         }
         cp_async_commit();
     };
@@ -478,31 +522,36 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
     for (int ci = 0; ci < chunks; ++ci) {
         cp_async_wait_one();  // stage 1 has landed; stage 2 may still be on its way
         __syncthreads();
-        // [W; gamma Q] S^T at tokens tg + 32e (W for e < 2, gamma Q after), rows rg + 8f.
+        // [W; gamma Q] S^T: rows 16 * warp + (g, g + 8), state rows 8n + (2c, 2c + 1).
         float acc[4][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
+        for (int n = 0; n < 4; ++n)
 #pragma unroll
-            for (int f = 0; f < 4; ++f) acc[e][f] = 0.f;
-#pragma unroll 2
-        for (int d = 0; d < D; d += 4) {
-            float4 wr[4], sr[4];
+            for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+#pragma unroll 4
+        for (int k0 = 0; k0 < D; k0 += 8) {
+            const float* arow = wqs + (16 * warp + g) * KP + k0 + c;
+            u32 ah[4], al[4];
+            tf32_split(arow[0], ah[0], al[0]);
+            tf32_split(arow[8 * KP], ah[1], al[1]);
+            tf32_split(arow[4], ah[2], al[2]);
+            tf32_split(arow[8 * KP + 4], ah[3], al[3]);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) wr[e] = *reinterpret_cast<const float4*>(wqs + (tg + 32 * e) * KP + d);
-#pragma unroll
-            for (int f = 0; f < 4; ++f) sr[f] = *reinterpret_cast<const float4*>(ss + (rg + 8 * f) * KP + d);
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-#pragma unroll
-                for (int f = 0; f < 4; ++f) acc[e][f] = dot4(wr[e], sr[f], acc[e][f]);
-        }
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-#pragma unroll
-            for (int f = 0; f < 4; ++f) {
-                const int t = tg + 32 * e, r = rg + 8 * f;
-                us[t * XP + r] = uin[t * UP + r] - acc[e][f];
+            for (int n = 0; n < 4; ++n) {
+                const int at = (8 * n + g) * SP + k0 + c;
+                const u32 bh[2] = {sh[at], sh[at + 4]}, bl[2] = {sl[at], sl[at + 4]};
+                mma_tf32x3(acc[n], ah, al, bh, bl);
             }
+        }
+        if (warp < 4) {
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int t = 16 * warp + g + 8 * (i >> 1), r = 8 * n + 2 * c + (i & 1);
+                    tf32_split(uin[t * UP + r] - acc[n][i], uh[t * XP + r], ul[t * XP + r]);
+                }
+        }
         __syncthreads();  // U is complete, and stage 1 has been read
         if (ci + 1 < chunks) {
             fetch_stage1(ci + 1);
@@ -511,51 +560,76 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
             cp_async_wait_all();
         }
         __syncthreads();  // stage 2 is visible to every thread
-        // O = gamma Q S^T + P U at tokens tg and tg + 32, sharing U's loads (P is zero above
-        // the diagonal, so token tg may run on to tg + 32).
-        const int t0 = ci * C;
-        float o[2][4];
+        if (warp >= 4) {
+            // O = gamma Q S^T + P U for tokens 16 * (warp - 4) + (g, g + 8); P is zero right of
+            // the tile's last token.
+            const int t0 = 16 * (warp - 4);
+            for (int k0 = 0; k0 < t0 + 16; k0 += 8) {
+                const float* arow = ps + (t0 + g) * PP + k0 + c;
+                u32 ah[4], al[4];
+                tf32_split(arow[0], ah[0], al[0]);
+                tf32_split(arow[8 * PP], ah[1], al[1]);
+                tf32_split(arow[4], ah[2], al[2]);
+                tf32_split(arow[8 * PP + 4], ah[3], al[3]);
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
-#pragma unroll
-            for (int f = 0; f < 4; ++f) o[e][f] = acc[2 + e][f];
-        for (int j = 0; j <= tg + 32; ++j) {
-            const float p0 = ps[tg * PP + j], p1 = ps[(tg + 32) * PP + j];
-#pragma unroll
-            for (int f = 0; f < 4; ++f) {
-                const float uj = us[j * XP + rg + 8 * f];
-                o[0][f] = fmaf(p0, uj, o[0][f]);
-                o[1][f] = fmaf(p1, uj, o[1][f]);
+                for (int n = 0; n < 4; ++n) {
+                    const int at = (k0 + c) * XP + 8 * n + g;
+                    const u32 bh[2] = {uh[at], uh[at + 4 * XP]}, bl[2] = {ul[at], ul[at + 4 * XP]};
+                    mma_tf32x3(acc[n], ah, al, bh, bl);
+                }
             }
-        }
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int t = tg + 32 * e;
-            if (t0 + t < tokens)
+            for (int half = 0; half < 2; ++half) {
+                const int t = ci * C + t0 + g + 8 * half;
+                if (t < tokens)
 #pragma unroll
-                for (int f = 0; f < 4; ++f) y[(size_t)(t0 + t) * hv * D + h * D + row0 + rg + 8 * f] = o[e][f];
-        }
-        // S = gamma_end S + Kd^T U for this thread's keys.
-        const float g = gch[(size_t)ci * hv + h];
-#pragma unroll
-        for (int f = 0; f < 4; ++f) s[f] = scale4(s[f], g);
-#pragma unroll 4
-        for (int t = 0; t < C; ++t) {
-            const float4 k4 = *reinterpret_cast<const float4*>(kds + t * KP + 4 * tg);
-#pragma unroll
-            for (int f = 0; f < 4; ++f) {
-                const float uv = us[t * XP + rg + 8 * f];
-                s[f] = make_float4(fmaf(uv, k4.x, s[f].x), fmaf(uv, k4.y, s[f].y), fmaf(uv, k4.z, s[f].z),
-                                   fmaf(uv, k4.w, s[f].w));
+                    for (int n = 0; n < 4; ++n)
+                        *reinterpret_cast<float2*>(y + (size_t)t * hv * D + h * D + row0 + 8 * n + 2 * c) =
+                            make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
             }
-        }
+        } else {
+            // S = gamma_end S + U^T Kd: U^T's fragments read from U transposed in place.
+            const float gend = gch[(size_t)ci * hv + h];
 #pragma unroll
-        for (int f = 0; f < 4; ++f) *reinterpret_cast<float4*>(ss + (rg + 8 * f) * KP + 4 * tg) = s[f];
-        __syncthreads();  // stage 2 and U have been read; the state rows are written
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) s[m][n][i] *= gend;
+#pragma unroll 2
+            for (int k0 = 0; k0 < C; k0 += 8) {
+                u32 ah[2][4], al[2][4];
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    const int at = (k0 + c) * XP + 16 * m + g;
+                    ah[m][0] = uh[at], ah[m][1] = uh[at + 8], ah[m][2] = uh[at + 4 * XP], ah[m][3] = uh[at + 4 * XP + 8];
+                    al[m][0] = ul[at], al[m][1] = ul[at + 8], al[m][2] = ul[at + 4 * XP], al[m][3] = ul[at + 4 * XP + 8];
+                }
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const float* brow = kds + (k0 + c) * KDP + 32 * warp + 8 * n + g;
+                    u32 bh[2], bl[2];
+                    tf32_split(brow[0], bh[0], bl[0]);
+                    tf32_split(brow[4 * KDP], bh[1], bl[1]);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) mma_tf32x3(s[m][n], ah[m], al[m], bh, bl);
+                }
+            }
+            store_state_split();
+        }
+        __syncthreads();  // stage 2 and U have been read; the state's split is written
         if (ci + 1 < chunks) fetch_stage2(ci + 1);
     }
+    if (warp < 4)
 #pragma unroll
-    for (int f = 0; f < 4; ++f) reinterpret_cast<float4*>(st + (size_t)(rg + 8 * f) * D)[tg] = s[f];
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = 16 * m + g + 8 * half, d = 32 * warp + 8 * n + 2 * c;
+                    *reinterpret_cast<float2*>(st + (size_t)r * D + d) = make_float2(s[m][n][2 * half], s[m][n][2 * half + 1]);
+                }
 }
 
 // Key and value dims 128. gdn_chunk_prep: (ceil(T / C), Hv) blocks of 256 threads with
