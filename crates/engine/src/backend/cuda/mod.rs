@@ -371,6 +371,7 @@ fn gdn_state_smem_bytes(d: usize) -> usize {
         + c * (r + 4)
         + c * (c + 4)
         + c * (d + 8)
+        + 2 * c
         + 2 * r * (d + 4)
         + 2 * c * (r + 8))
 }
@@ -2224,14 +2225,14 @@ impl Backend for CudaBackend {
             && dv == 128
             && t >= GDN_CHUNKED_MIN_TOKENS
         {
-            // Per (chunk, value head): [W; gamma Q], Kd, U', P and the chunk's decay.
-            let blocks = t.div_ceil(GDN_CHUNK) * hv;
-            let c = GDN_CHUNK;
-            let wq = self.tmp::<f32>(blocks * 2 * c * dk)?;
-            let kd = self.tmp::<f32>(blocks * c * dk)?;
+            // Per (chunk, value head): W, U', P and the decays; per (chunk, key head): q and k.
+            let (c, chunks) = (GDN_CHUNK, t.div_ceil(GDN_CHUNK));
+            let blocks = chunks * hv;
+            let w = self.tmp::<f32>(blocks * c * dk)?;
+            let qk = self.tmp::<f32>(chunks * hk * 2 * c * dk)?;
             let u = self.tmp::<f32>(blocks * c * dv)?;
             let p = self.tmp::<f32>(blocks * c * c)?;
-            let gch = self.tmp::<f32>(blocks)?;
+            let dec = self.tmp::<f32>(blocks * 2 * c)?;
             launch!(
                 self,
                 gdn_chunk.prep,
@@ -2246,11 +2247,11 @@ impl Backend for CudaBackend {
                     self.ptr(&b.buf),
                     self.ptr(a_log),
                     self.ptr(dt_bias),
-                    wq.ptr,
-                    kd.ptr,
+                    w.ptr,
+                    qk.ptr,
                     u.ptr,
                     p.ptr,
-                    gch.ptr,
+                    dec.ptr,
                     t as i32,
                     hk as i32,
                     hv as i32,
@@ -2266,14 +2267,15 @@ impl Backend for CudaBackend {
                     gdn_state_smem_bytes(dk)
                 ),
                 [
-                    wq.ptr,
-                    kd.ptr,
+                    w.ptr,
+                    qk.ptr,
                     u.ptr,
                     p.ptr,
-                    gch.ptr,
+                    dec.ptr,
                     self.ptr(&s.state),
                     self.ptr(&y.buf),
                     t as i32,
+                    hk as i32,
                     hv as i32
                 ]
             )?;
