@@ -371,7 +371,6 @@ fn gdn_state_smem_bytes(d: usize) -> usize {
         + c * (r + 4)
         + c * (c + 4)
         + c * (d + 8)
-        + 2 * c
         + 2 * r * (d + 4)
         + 2 * c * (r + 8))
 }
@@ -2225,14 +2224,14 @@ impl Backend for CudaBackend {
             && dv == 128
             && t >= GDN_CHUNKED_MIN_TOKENS
         {
-            // Per (chunk, value head): W, U', P and the decays; per (chunk, key head): q and k.
-            let (c, chunks) = (GDN_CHUNK, t.div_ceil(GDN_CHUNK));
-            let blocks = chunks * hv;
-            let w = self.tmp::<f32>(blocks * c * dk)?;
-            let qk = self.tmp::<f32>(chunks * hk * 2 * c * dk)?;
+            // Per (chunk, value head): [W; gamma Q], Kd, U', P and the chunk's decay.
+            let blocks = t.div_ceil(GDN_CHUNK) * hv;
+            let c = GDN_CHUNK;
+            let wq = self.tmp::<f32>(blocks * 2 * c * dk)?;
+            let kd = self.tmp::<f32>(blocks * c * dk)?;
             let u = self.tmp::<f32>(blocks * c * dv)?;
             let p = self.tmp::<f32>(blocks * c * c)?;
-            let dec = self.tmp::<f32>(blocks * 2 * c)?;
+            let gch = self.tmp::<f32>(blocks)?;
             launch!(
                 self,
                 gdn_chunk.prep,
@@ -2247,11 +2246,11 @@ impl Backend for CudaBackend {
                     self.ptr(&b.buf),
                     self.ptr(a_log),
                     self.ptr(dt_bias),
-                    w.ptr,
-                    qk.ptr,
+                    wq.ptr,
+                    kd.ptr,
                     u.ptr,
                     p.ptr,
-                    dec.ptr,
+                    gch.ptr,
                     t as i32,
                     hk as i32,
                     hv as i32,
@@ -2267,15 +2266,14 @@ impl Backend for CudaBackend {
                     gdn_state_smem_bytes(dk)
                 ),
                 [
-                    w.ptr,
-                    qk.ptr,
+                    wq.ptr,
+                    kd.ptr,
                     u.ptr,
                     p.ptr,
-                    dec.ptr,
+                    gch.ptr,
                     self.ptr(&s.state),
                     self.ptr(&y.buf),
                     t as i32,
-                    hk as i32,
                     hv as i32
                 ]
             )?;

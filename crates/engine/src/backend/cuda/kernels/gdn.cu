@@ -240,26 +240,26 @@ __host__ __device__ constexpr int gdn_prep_smem_bytes(int d) {
     return 4 * (2 * GDN_C * (d + 4) + GDN_C * (GDN_C + 4) + 3 * GDN_C);
 }
 
-// gdn_chunk_state's shared memory (4-byte words): one stage with the chunk's [W; Q] [2C][D + 4]
-// and the block's columns of U' [C][R + 4]; another with P [C][C + 4], K [C][D + 8] and the decays
-// [2][C]; the block's state rows split in tf32 hi and lo [2][R][D + 4], and U split the same way
-// [2][C][R + 8]. Each pitch puts the 32 lanes' fragment reads in 32 different banks. 180 KiB at
-// D = 128.
+// gdn_chunk_state's shared memory (4-byte words): one stage with the chunk's [W; gamma Q]
+// [2C][D + 4] and the block's columns of U' [C][R + 4]; another with P [C][C + 4] and Kd
+// [C][D + 8]; the block's state rows split in tf32 hi and lo [2][R][D + 4], and U split the same
+// way [2][C][R + 8]. Each pitch puts the 32 lanes' fragment reads in 32 different banks. 179 KiB
+// at D = 128.
 __host__ __device__ constexpr int gdn_state_smem_bytes(int d) {
     return 4 * (2 * GDN_C * (d + 4) + GDN_C * (GDN_STATE_ROWS + 4) + GDN_C * (GDN_C + 4) + GDN_C * (d + 8) +
-                2 * GDN_C + 2 * GDN_STATE_ROWS * (d + 4) + 2 * GDN_C * (GDN_STATE_ROWS + 8));
+                2 * GDN_STATE_ROWS * (d + 4) + 2 * GDN_C * (GDN_STATE_ROWS + 8));
 }
 
+__device__ __forceinline__ float4 scale4(float4 a, float s) { return make_float4(a.x * s, a.y * s, a.z * s, a.w * s); }
+
 // One block per (chunk blockIdx.x, value head blockIdx.y), 256 threads. Writes, per (chunk,
-// value head) at index chunk * Hv + head: w [C][D] (W), u [C][D] (U'), p [C][C] and dec [2][C]
-// (gamma_t, then G[n-1][t], the decay from token t to the chunk's last token n - 1); and per
-// (chunk, key head) at index chunk * Hk + key head, from the key head's first value head: qk
-// [2][C][D] (q normalised and scaled as in the token loop, then k normalised). Rows past the last
-// token are zero.
+// head) at index chunk * Hv + head: wq [2C][D] (W, then gamma Q with q normalised and scaled as
+// in the token loop), kd [C][D] (G[n-1][t] k_t, n the chunk's tokens), u [C][D] (U'), p [C][C]
+// and gch (gamma_{n-1}). Rows past the last token are zero.
 template <int D>
 __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const float* a, const float* b,
-                                                    const float* a_log, const float* dt_bias, float* w, float* qk,
-                                                    float* u, float* p, float* dec, int tokens, int hk, int hv,
+                                                    const float* a_log, const float* dt_bias, float* wq, float* kd,
+                                                    float* u, float* p, float* gch, int tokens, int hk, int hv,
                                                     float l2_eps) {
     static_assert(2 * D == GDN_PREP_THREADS, "one thread per column of [K | V]");
     constexpr int C = GDN_C, KP = D + 4, MP = C + 4, D4 = D / 4;
@@ -277,11 +277,10 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     const int kh = h / (hv / hk), kcols = hk * D, cols = 2 * kcols + hv * D;
     const float qscale = rsqrtf((float)D), neg_a = -expf(a_log[h]), dtb = dt_bias[h];
     const size_t blk = (size_t)ci * hv + h;
-    w += blk * C * D;
+    wq += blk * 2 * C * D;
+    kd += blk * C * D;
     u += blk * C * D;
     p += blk * C * C;
-    dec += blk * 2 * C;
-    qk += ((size_t)ci * hk + kh) * 2 * C * D;
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
     // q and k into shared memory; v waits in registers until q's products are done.
     float4 v4[PER_THREAD];
@@ -330,17 +329,14 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
         gam[tid] = expf(seg);
     }
     __syncthreads();
-    if (tid < C) {
-        dec[tid] = gam[tid];
-        dec[C + tid] = tid < n ? m[(n - 1) * MP + tid] : 0.f;
+    const float* g_end = m + (n - 1) * MP;  // G[n-1][j]: decay from token j to the chunk's end
+    for (int i = tid; i < C * D4; i += GDN_PREP_THREADS) {
+        const int t = i / D4, x = i % D4;
+        const float4 q4 = *reinterpret_cast<const float4*>(qs + t * KP + 4 * x);
+        const float4 k4 = *reinterpret_cast<const float4*>(ks + t * KP + 4 * x);
+        reinterpret_cast<float4*>(wq + (size_t)(C + t) * D)[x] = scale4(q4, gam[t]);
+        reinterpret_cast<float4*>(kd + (size_t)t * D)[x] = scale4(k4, t < n ? g_end[t] : 0.f);
     }
-    if (h % (hv / hk) == 0)
-        for (int i = tid; i < C * D4; i += GDN_PREP_THREADS) {
-            const int t = i / D4, x = i % D4;
-            reinterpret_cast<float4*>(qk + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(qs + t * KP + 4 * x);
-            reinterpret_cast<float4*>(qk + (size_t)(C + t) * D)[x] =
-                *reinterpret_cast<const float4*>(ks + t * KP + 4 * x);
-        }
     // K K^T (warps 0-3) and Q K^T (warps 4-7) on the tensor cores (tf32 split in hi + lo, as in
     // gdn_chunk_state): warp w takes rows 16 (w % 4) .. + 15 of every column, in acc[n][0..3] at
     // rows 16 (w % 4) + g (+8) and columns 8n + 2c (+1).
@@ -429,35 +425,35 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     __syncthreads();
     for (int i = tid; i < C * D4; i += GDN_PREP_THREADS) {
         const int t = i / D4, x = i % D4;
-        reinterpret_cast<float4*>(w + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(ks + t * KP + 4 * x);
+        reinterpret_cast<float4*>(wq + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(ks + t * KP + 4 * x);
         reinterpret_cast<float4*>(u + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(vs + t * KP + 4 * x);
     }
+    if (tid == 0) gch[blk] = gam[n - 1];
 }
 
 // One block per (value head blockIdx.x, state rows [blockIdx.y * R, +R)), 8 warps, walking the
 // chunks in order with three products each, on the tensor cores (tf32, each operand split in
 // hi + lo so that the products keep f32 accuracy, mma_tf32x3):
-//   all warps:  [W; Q] S^T, warp w taking rows 16w .. 16w + 15; warps 0-3 turn theirs into
-//               U = U' - W S^T, warps 4-7 scale theirs by gamma;
+//   all warps:  [W; gamma Q] S^T, warp w taking rows 16w .. 16w + 15; warps 0-3 turn theirs
+//               into U = U' - W S^T;
 //   warps 4-7:  O = gamma Q S^T + P U, into y;
-//   warps 0-3, at the same time: S = gamma_end S + U^T (G[n-1][.] K), each holding S's rows
-//               0-31 at keys 32w .. 32w + 31 in its accumulators from chunk to chunk.
+//   warps 0-3, at the same time: S = gamma_end S + U^T Kd, each holding S's rows 0-31 at keys
+//               32w .. 32w + 31 in its accumulators from chunk to chunk.
 // Each chunk's inputs arrive by cp.async in two stages, each copied while the other stage's
 // products run.
 template <int D>
-__device__ __forceinline__ void gdn_chunk_state_impl(const float* w, const float* qk, const float* u,
-                                                     const float* p, const float* dec, float* state, float* y,
-                                                     int tokens, int hk, int hv) {
+__device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const float* kd, const float* u,
+                                                     const float* p, const float* gch, float* state, float* y,
+                                                     int tokens, int hv) {
     constexpr int C = GDN_C, R = GDN_STATE_ROWS, KP = D + 4, UP = R + 4, PP = C + 4, KDP = D + 8, SP = D + 4,
                   XP = R + 8;
     static_assert(D == 128 && C == 64 && R == 32 && GDN_STATE_THREADS == 256, "the warp map below");
     extern __shared__ float4 gdn_smem4[];
-    float* wqs = reinterpret_cast<float*>(gdn_smem4);  // stage 1: [W; Q] [2C][KP]
+    float* wqs = reinterpret_cast<float*>(gdn_smem4);  // stage 1: [W; gamma Q] [2C][KP]
     float* uin = wqs + 2 * C * KP;                      //          U' columns [C][UP]
     float* ps = uin + C * UP;                           // stage 2: P [C][PP]
-    float* kds = ps + C * PP;                           //          K [C][KDP]
-    float* decs = kds + C * KDP;                        //          gamma, G[n-1][.] [2][C]
-    u32* sh = reinterpret_cast<u32*>(decs + 2 * C);     // state rows, tf32 hi [R][SP]
+    float* kds = ps + C * PP;                           //          Kd [C][KDP]
+    u32* sh = reinterpret_cast<u32*>(kds + C * KDP);    // state rows, tf32 hi [R][SP]
     u32* sl = sh + R * SP;                              //                 lo
     u32* uh = sl + R * SP;                              // U, tf32 hi [C][XP]
     u32* ul = uh + C * XP;                              //    lo
@@ -493,14 +489,12 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* w, const float
                 }
         store_state_split();
     }
-    const int kh = h / (hv / hk);
     auto fetch_stage1 = [&](int ci) {
         const size_t blk = (size_t)ci * hv + h;
-        const float* wsrc = w + blk * C * D;
-        const float* qsrc = qk + ((size_t)ci * hk + kh) * 2 * C * D;
+        const float* src = wq + blk * 2 * C * D;
         for (int i = tid; i < 2 * C * D / 4; i += GDN_STATE_THREADS) {
             const int t = i / (D / 4), x = i % (D / 4);
-            cp_async16(wqs + t * KP + 4 * x, t < C ? wsrc + (size_t)t * D + 4 * x : qsrc + (size_t)(t - C) * D + 4 * x);
+            cp_async16(wqs + t * KP + 4 * x, src + (size_t)t * D + 4 * x);
         }
         const float* usrc = u + blk * C * D + row0;
         for (int i = tid; i < C * R / 4; i += GDN_STATE_THREADS) {
@@ -515,12 +509,10 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* w, const float
             const int t = i / (C / 4), x = i % (C / 4);
             cp_async16(ps + t * PP + 4 * x, p + blk * C * C + (size_t)t * C + 4 * x);
         }
-        const float* ksrc = qk + ((size_t)ci * hk + kh) * 2 * C * D + C * D;
         for (int i = tid; i < C * D / 4; i += GDN_STATE_THREADS) {
             const int t = i / (D / 4), x = i % (D / 4);
-            cp_async16(kds + t * KDP + 4 * x, ksrc + (size_t)t * D + 4 * x);
+            cp_async16(kds + t * KDP + 4 * x, kd + blk * C * D + (size_t)t * D + 4 * x);
         }
-        if (tid < 2 * C / 4) cp_async16(decs + 4 * tid, dec + blk * 2 * C + 4 * tid);
         cp_async_commit();
     };
     if (chunks > 0) {
@@ -530,15 +522,14 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* w, const float
     for (int ci = 0; ci < chunks; ++ci) {
         cp_async_wait_one();  // stage 1 has landed; stage 2 may still be on its way
         __syncthreads();
-        // [W; Q] S^T: rows 16 * warp + (g, g + 8), state rows 8n + (2c, 2c + 1). Even and odd
-        // steps of 8 keys go to separate accumulators, two chains of tensor-core operations each
-        // half as long.
-        float acc[4][4], acc_odd[4][4];
+        // [W; gamma Q] S^T: rows 16 * warp + (g, g + 8), state rows 8n + (2c, 2c + 1).
+        float acc[4][4];
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[n][i] = acc_odd[n][i] = 0.f;
-        auto keys8 = [&](int k0, float (&out)[4][4]) {
+            for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+#pragma unroll 4
+        for (int k0 = 0; k0 < D; k0 += 8) {
             const float* arow = wqs + (16 * warp + g) * KP + k0 + c;
             u32 ah[4], al[4];
             tf32_split(arow[0], ah[0], al[0]);
@@ -549,18 +540,9 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* w, const float
             for (int n = 0; n < 4; ++n) {
                 const int at = (8 * n + g) * SP + k0 + c;
                 const u32 bh[2] = {sh[at], sh[at + 4]}, bl[2] = {sl[at], sl[at + 4]};
-                mma_tf32x3(out[n], ah, al, bh, bl);
+                mma_tf32x3(acc[n], ah, al, bh, bl);
             }
-        };
-#pragma unroll 2
-        for (int k0 = 0; k0 < D; k0 += 16) {
-            keys8(k0, acc);
-            keys8(k0 + 8, acc_odd);
         }
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[n][i] += acc_odd[n][i];
         if (warp < 4) {
 #pragma unroll
             for (int n = 0; n < 4; ++n)
@@ -582,10 +564,6 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* w, const float
             // O = gamma Q S^T + P U for tokens 16 * (warp - 4) + (g, g + 8); P is zero right of
             // the tile's last token.
             const int t0 = 16 * (warp - 4);
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[n][i] *= decs[t0 + g + 8 * (i >> 1)];
             for (int k0 = 0; k0 < t0 + 16; k0 += 8) {
                 const float* arow = ps + (t0 + g) * PP + k0 + c;
                 u32 ah[4], al[4];
@@ -610,10 +588,8 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* w, const float
                             make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
             }
         } else {
-            // S = gamma_end S + U^T (G[n-1][.] K): U^T's fragments read from U transposed in
-            // place, K's rows scaled as they are split.
-            const float* g_end = decs + C;
-            const float gend = decs[min(C, tokens - ci * C) - 1];
+            // S = gamma_end S + U^T Kd: U^T's fragments read from U transposed in place.
+            const float gend = gch[(size_t)ci * hv + h];
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -633,8 +609,8 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* w, const float
                 for (int n = 0; n < 4; ++n) {
                     const float* brow = kds + (k0 + c) * KDP + 32 * warp + 8 * n + g;
                     u32 bh[2], bl[2];
-                    tf32_split(brow[0] * g_end[k0 + c], bh[0], bl[0]);
-                    tf32_split(brow[4 * KDP] * g_end[k0 + c + 4], bh[1], bl[1]);
+                    tf32_split(brow[0], bh[0], bl[0]);
+                    tf32_split(brow[4 * KDP], bh[1], bl[1]);
 #pragma unroll
                     for (int m = 0; m < 2; ++m) mma_tf32x3(s[m][n], ah[m], al[m], bh, bl);
                 }
@@ -661,14 +637,14 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* w, const float
 // gdn_state_smem_bytes(128), after it on the same stream.
 extern "C" __global__ void __launch_bounds__(GDN_PREP_THREADS, 2)
     gdn_chunk_prep_d128(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
-                        float* w, float* qk, float* u, float* p, float* dec, int tokens, int hk, int hv,
+                        float* wq, float* kd, float* u, float* p, float* gch, int tokens, int hk, int hv,
                         float l2_eps) {
     grid_dep();
-    gdn_chunk_prep_impl<128>(qkv, a, b, a_log, dt_bias, w, qk, u, p, dec, tokens, hk, hv, l2_eps);
+    gdn_chunk_prep_impl<128>(qkv, a, b, a_log, dt_bias, wq, kd, u, p, gch, tokens, hk, hv, l2_eps);
 }
 extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS)
-    gdn_chunk_state_d128(const float* w, const float* qk, const float* u, const float* p, const float* dec,
-                         float* state, float* y, int tokens, int hk, int hv) {
+    gdn_chunk_state_d128(const float* wq, const float* kd, const float* u, const float* p, const float* gch,
+                         float* state, float* y, int tokens, int hv) {
     grid_dep();
-    gdn_chunk_state_impl<128>(w, qk, u, p, dec, state, y, tokens, hk, hv);
+    gdn_chunk_state_impl<128>(wq, kd, u, p, gch, state, y, tokens, hv);
 }
