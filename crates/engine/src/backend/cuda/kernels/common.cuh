@@ -193,6 +193,29 @@ __device__ __forceinline__ void mma_tf32(float d[4], const u32 a[4], const u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Fragments of an m16n8k8 tf32 product read from f32 tiles in shared memory and split (tf32_split):
+// A from a row-major [m][k] tile, B from an [n][k] tile (B = its transpose) or a [k][n] one.
+__device__ __forceinline__ void tf32_split_a(u32 ah[4], u32 al[4], const float* tile, int ld) {
+    const int l = threadIdx.x & 31;
+    const float* a = tile + (l >> 2) * ld + (l & 3);
+    tf32_split(a[0], ah[0], al[0]);
+    tf32_split(a[8 * ld], ah[1], al[1]);
+    tf32_split(a[4], ah[2], al[2]);
+    tf32_split(a[8 * ld + 4], ah[3], al[3]);
+}
+__device__ __forceinline__ void tf32_split_b_nk(u32 bh[2], u32 bl[2], const float* tile, int ld) {
+    const int l = threadIdx.x & 31;
+    const float* b = tile + (l >> 2) * ld + (l & 3);
+    tf32_split(b[0], bh[0], bl[0]);
+    tf32_split(b[4], bh[1], bl[1]);
+}
+__device__ __forceinline__ void tf32_split_b_kn(u32 bh[2], u32 bl[2], const float* tile, int ld) {
+    const int l = threadIdx.x & 31;
+    const float* b = tile + (l & 3) * ld + (l >> 2);
+    tf32_split(b[0], bh[0], bl[0]);
+    tf32_split(b[4 * ld], bh[1], bl[1]);
+}
+
 // d += a * b to within f32 rounding, from split operands: lo*hi, hi*lo, then hi*hi (the small
 // terms first; lo*lo is below 2^-22 of the product and left out).
 __device__ __forceinline__ void mma_tf32x3(float d[4], const u32 ah[4], const u32 al[4], const u32 bh[2],

@@ -349,18 +349,12 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
         for (int r = 0; r < 4; ++r) acc[n][r] = 0.f;
 #pragma unroll 2
     for (int k0 = 0; k0 < D; k0 += 8) {
-        const float* arow = xs + (i0 + g) * KP + k0 + c;
         u32 ah[4], al[4];
-        tf32_split(arow[0], ah[0], al[0]);
-        tf32_split(arow[8 * KP], ah[1], al[1]);
-        tf32_split(arow[4], ah[2], al[2]);
-        tf32_split(arow[8 * KP + 4], ah[3], al[3]);
+        tf32_split_a(ah, al, xs + i0 * KP + k0, KP);
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
-            const float* brow = ks + (8 * n + g) * KP + k0 + c;
             u32 bh[2], bl[2];
-            tf32_split(brow[0], bh[0], bl[0]);
-            tf32_split(brow[4], bh[1], bl[1]);
+            tf32_split_b_nk(bh, bl, ks + 8 * n * KP + k0, KP);
             mma_tf32x3(acc[n], ah, al, bh, bl);
         }
     }
@@ -530,12 +524,8 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
             for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
 #pragma unroll 4
         for (int k0 = 0; k0 < D; k0 += 8) {
-            const float* arow = wqs + (16 * warp + g) * KP + k0 + c;
             u32 ah[4], al[4];
-            tf32_split(arow[0], ah[0], al[0]);
-            tf32_split(arow[8 * KP], ah[1], al[1]);
-            tf32_split(arow[4], ah[2], al[2]);
-            tf32_split(arow[8 * KP + 4], ah[3], al[3]);
+            tf32_split_a(ah, al, wqs + 16 * warp * KP + k0, KP);
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
                 const int at = (8 * n + g) * SP + k0 + c;
@@ -565,12 +555,8 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
             // the tile's last token.
             const int t0 = 16 * (warp - 4);
             for (int k0 = 0; k0 < t0 + 16; k0 += 8) {
-                const float* arow = ps + (t0 + g) * PP + k0 + c;
                 u32 ah[4], al[4];
-                tf32_split(arow[0], ah[0], al[0]);
-                tf32_split(arow[8 * PP], ah[1], al[1]);
-                tf32_split(arow[4], ah[2], al[2]);
-                tf32_split(arow[8 * PP + 4], ah[3], al[3]);
+                tf32_split_a(ah, al, ps + t0 * PP + k0, PP);
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
                     const int at = (k0 + c) * XP + 8 * n + g;
@@ -607,10 +593,8 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
                 }
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
-                    const float* brow = kds + (k0 + c) * KDP + 32 * warp + 8 * n + g;
                     u32 bh[2], bl[2];
-                    tf32_split(brow[0], bh[0], bl[0]);
-                    tf32_split(brow[4 * KDP], bh[1], bl[1]);
+                    tf32_split_b_kn(bh, bl, kds + k0 * KDP + 32 * warp + 8 * n, KDP);
 #pragma unroll
                     for (int m = 0; m < 2; ++m) mma_tf32x3(s[m][n], ah[m], al[m], bh, bl);
                 }
