@@ -2262,7 +2262,7 @@ impl Backend for CudaBackend {
                 gdn_chunk.state,
                 cfg(
                     (hv as u32, (dv / GDN_STATE_ROWS) as u32),
-                    512,
+                    256,
                     gdn_state_smem_bytes(dk)
                 ),
                 [

@@ -232,7 +232,7 @@ GDN_RECURRENCE(256)
 constexpr int GDN_C = 64;  // tokens per chunk
 constexpr int GDN_PREP_THREADS = 256;
 constexpr int GDN_STATE_ROWS = 32;  // state rows per gdn_chunk_state block
-constexpr int GDN_STATE_THREADS = 512;
+constexpr int GDN_STATE_THREADS = 256;
 
 // gdn_chunk_prep's shared memory (floats): k and q (then v) [C][D + 4], G (then A) [C][C + 4],
 // log-decay, beta and gamma [C]. 86 KiB at D = 128, so two blocks fit an SM.
@@ -425,16 +425,14 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     if (tid == 0) gch[blk] = gam[n - 1];
 }
 
-// One block per (value head blockIdx.x, state rows [blockIdx.y * R, +R)), 16 warps, walking the
+// One block per (value head blockIdx.x, state rows [blockIdx.y * R, +R)), 8 warps, walking the
 // chunks in order with three products each, on the tensor cores (tf32, each operand split in
 // hi + lo so that the products keep f32 accuracy, mma_tf32x3):
-//   all warps:  [W; gamma Q] S^T, warp w taking rows 16 (w / 2) .. + 15 at state rows
-//               16 (w % 2) .. + 15; warps 0-7 turn theirs into U = U' - W S^T;
-//   warps 8-15: O = gamma Q S^T + P U on the same tiles, into y;
-//   warps 0-7, at the same time: S = gamma_end S + U^T Kd, warp w holding S's rows
-//               16 (w % 2) .. + 15 at keys 32 (w / 2) .. + 31 in its accumulators from chunk to
-//               chunk.
-// Four warps a scheduler, so that one warp's wait on its tensor-core chain overlaps the others'.
+//   all warps:  [W; gamma Q] S^T, warp w taking rows 16w .. 16w + 15; warps 0-3 turn theirs
+//               into U = U' - W S^T;
+//   warps 4-7:  O = gamma Q S^T + P U, into y;
+//   warps 0-3, at the same time: S = gamma_end S + U^T Kd, each holding S's rows 0-31 at keys
+//               32w .. 32w + 31 in its accumulators from chunk to chunk.
 // Each chunk's inputs arrive by cp.async in two stages, each copied while the other stage's
 // products run.
 template <int D>
@@ -443,7 +441,7 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
                                                      int tokens, int hv) {
     constexpr int C = GDN_C, R = GDN_STATE_ROWS, KP = D + 4, UP = R + 4, PP = C + 4, KDP = D + 8, SP = D + 4,
                   XP = R + 8;
-    static_assert(D == 128 && C == 64 && R == 32 && GDN_STATE_THREADS == 512, "the warp map below");
+    static_assert(D == 128 && C == 64 && R == 32 && GDN_STATE_THREADS == 256, "the warp map below");
     extern __shared__ float4 gdn_smem4[];
     float* wqs = reinterpret_cast<float*>(gdn_smem4);  // stage 1: [W; gamma Q] [2C][KP]
     float* uin = wqs + 2 * C * KP;                      //          U' columns [C][UP]
@@ -458,28 +456,31 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
     const int g = lane >> 2, c = lane & 3;
     const int chunks = (tokens + C - 1) / C;
     float* st = state + ((size_t)h * D + row0) * D;
-    // Warps 0-7: S[r0 + g (+8)][d0 + 8n + 2c (+1)] in s[n][0..3], as mma accumulators.
-    const int r0 = 16 * (warp & 1), d0 = 32 * ((warp >> 1) & 3);
-    float s[4][4];
+    // Warps 0-3: S[16m + g (+8)][32w + 8n + 2c (+1)] in s[m][n][0..3], as mma accumulators.
+    float s[2][4][4];
     auto store_state_split = [&]() {
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int m = 0; m < 2; ++m)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = r0 + g + 8 * (i >> 1), d = d0 + 8 * n + 2 * c + (i & 1);
-                tf32_split(s[n][i], sh[r * SP + d], sl[r * SP + d]);
-            }
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = 16 * m + g + 8 * (i >> 1), d = 32 * warp + 8 * n + 2 * c + (i & 1);
+                    tf32_split(s[m][n][i], sh[r * SP + d], sl[r * SP + d]);
+                }
     };
-    if (warp < 8) {
+    if (warp < 4) {
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int m = 0; m < 2; ++m)
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = r0 + g + 8 * half, d = d0 + 8 * n + 2 * c;
-                const float2 v = *reinterpret_cast<const float2*>(st + (size_t)r * D + d);
-                s[n][2 * half] = v.x;
-                s[n][2 * half + 1] = v.y;
-            }
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = 16 * m + g + 8 * half, d = 32 * warp + 8 * n + 2 * c;
+                    const float2 v = *reinterpret_cast<const float2*>(st + (size_t)r * D + d);
+                    s[m][n][2 * half] = v.x;
+                    s[m][n][2 * half + 1] = v.y;
+                }
         store_state_split();
     }
     auto fetch_stage1 = [&](int ci) {
@@ -515,30 +516,29 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
     for (int ci = 0; ci < chunks; ++ci) {
         cp_async_wait_one();  // stage 1 has landed; stage 2 may still be on its way
         __syncthreads();
-        // [W; gamma Q] S^T: rows m0 + (g, g + 8), state rows n0 + 8n + (2c, 2c + 1).
-        const int m0 = 16 * (warp >> 1), n0 = 16 * (warp & 1);
-        float acc[2][4];
+        // [W; gamma Q] S^T: rows 16 * warp + (g, g + 8), state rows 8n + (2c, 2c + 1).
+        float acc[4][4];
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < 4; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
 #pragma unroll 4
         for (int k0 = 0; k0 < D; k0 += 8) {
             u32 ah[4], al[4];
-            tf32_split_a(ah, al, wqs + m0 * KP + k0, KP);
+            tf32_split_a(ah, al, wqs + 16 * warp * KP + k0, KP);
 #pragma unroll
-            for (int n = 0; n < 2; ++n) {
-                const int at = (n0 + 8 * n + g) * SP + k0 + c;
+            for (int n = 0; n < 4; ++n) {
+                const int at = (8 * n + g) * SP + k0 + c;
                 const u32 bh[2] = {sh[at], sh[at + 4]}, bl[2] = {sl[at], sl[at + 4]};
                 mma_tf32x3(acc[n], ah, al, bh, bl);
             }
         }
-        if (warp < 8) {
+        if (warp < 4) {
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
+            for (int n = 0; n < 4; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int t = m0 + g + 8 * (i >> 1), r = n0 + 8 * n + 2 * c + (i & 1);
+                    const int t = 16 * warp + g + 8 * (i >> 1), r = 8 * n + 2 * c + (i & 1);
                     tf32_split(uin[t * UP + r] - acc[n][i], uh[t * XP + r], ul[t * XP + r]);
                 }
         }
@@ -550,16 +550,16 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
             cp_async_wait_all();
         }
         __syncthreads();  // stage 2 is visible to every thread
-        if (warp >= 8) {
-            // O = gamma Q S^T + P U for tokens t0 + (g, g + 8); P is zero right of the tile's
-            // last token.
-            const int t0 = m0 - C;
+        if (warp >= 4) {
+            // O = gamma Q S^T + P U for tokens 16 * (warp - 4) + (g, g + 8); P is zero right of
+            // the tile's last token.
+            const int t0 = 16 * (warp - 4);
             for (int k0 = 0; k0 < t0 + 16; k0 += 8) {
                 u32 ah[4], al[4];
                 tf32_split_a(ah, al, ps + t0 * PP + k0, PP);
 #pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    const int at = (k0 + c) * XP + n0 + 8 * n + g;
+                for (int n = 0; n < 4; ++n) {
+                    const int at = (k0 + c) * XP + 8 * n + g;
                     const u32 bh[2] = {uh[at], uh[at + 4 * XP]}, bl[2] = {ul[at], ul[at + 4 * XP]};
                     mma_tf32x3(acc[n], ah, al, bh, bl);
                 }
@@ -569,27 +569,34 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
                 const int t = ci * C + t0 + g + 8 * half;
                 if (t < tokens)
 #pragma unroll
-                    for (int n = 0; n < 2; ++n)
-                        *reinterpret_cast<float2*>(y + (size_t)t * hv * D + h * D + row0 + n0 + 8 * n + 2 * c) =
+                    for (int n = 0; n < 4; ++n)
+                        *reinterpret_cast<float2*>(y + (size_t)t * hv * D + h * D + row0 + 8 * n + 2 * c) =
                             make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
             }
         } else {
             // S = gamma_end S + U^T Kd: U^T's fragments read from U transposed in place.
             const float gend = gch[(size_t)ci * hv + h];
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) s[n][i] *= gend;
+                for (int n = 0; n < 4; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) s[m][n][i] *= gend;
 #pragma unroll 2
             for (int k0 = 0; k0 < C; k0 += 8) {
-                const int at = (k0 + c) * XP + r0 + g;
-                const u32 ah[4] = {uh[at], uh[at + 8], uh[at + 4 * XP], uh[at + 4 * XP + 8]};
-                const u32 al[4] = {ul[at], ul[at + 8], ul[at + 4 * XP], ul[at + 4 * XP + 8]};
+                u32 ah[2][4], al[2][4];
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    const int at = (k0 + c) * XP + 16 * m + g;
+                    ah[m][0] = uh[at], ah[m][1] = uh[at + 8], ah[m][2] = uh[at + 4 * XP], ah[m][3] = uh[at + 4 * XP + 8];
+                    al[m][0] = ul[at], al[m][1] = ul[at + 8], al[m][2] = ul[at + 4 * XP], al[m][3] = ul[at + 4 * XP + 8];
+                }
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
                     u32 bh[2], bl[2];
-                    tf32_split_b_kn(bh, bl, kds + k0 * KDP + d0 + 8 * n, KDP);
-                    mma_tf32x3(s[n], ah, al, bh, bl);
+                    tf32_split_b_kn(bh, bl, kds + k0 * KDP + 32 * warp + 8 * n, KDP);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) mma_tf32x3(s[m][n], ah[m], al[m], bh, bl);
                 }
             }
             store_state_split();
@@ -597,18 +604,20 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
         __syncthreads();  // stage 2 and U have been read; the state's split is written
         if (ci + 1 < chunks) fetch_stage2(ci + 1);
     }
-    if (warp < 8)
+    if (warp < 4)
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int m = 0; m < 2; ++m)
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = r0 + g + 8 * half, d = d0 + 8 * n + 2 * c;
-                *reinterpret_cast<float2*>(st + (size_t)r * D + d) = make_float2(s[n][2 * half], s[n][2 * half + 1]);
-            }
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = 16 * m + g + 8 * half, d = 32 * warp + 8 * n + 2 * c;
+                    *reinterpret_cast<float2*>(st + (size_t)r * D + d) = make_float2(s[m][n][2 * half], s[m][n][2 * half + 1]);
+                }
 }
 
 // Key and value dims 128. gdn_chunk_prep: (ceil(T / C), Hv) blocks of 256 threads with
-// gdn_prep_smem_bytes(128); gdn_chunk_state: (Hv, 128 / R) blocks of 512 threads with
+// gdn_prep_smem_bytes(128); gdn_chunk_state: (Hv, 128 / R) blocks of 256 threads with
 // gdn_state_smem_bytes(128), after it on the same stream.
 extern "C" __global__ void __launch_bounds__(GDN_PREP_THREADS, 2)
     gdn_chunk_prep_d128(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
