@@ -225,10 +225,10 @@ GDN_RECURRENCE(256)
 // where row t of U is the token's delta, beta_t (v_t - decay_t S_{t-1} k_t). Writing
 // U = U' - W S0^T with W = (I + A)^-1 (beta gamma K) and U' = (I + A)^-1 (beta V), all but S0
 // is known per chunk: gdn_chunk_prep computes it for every chunk at once, then gdn_chunk_state
-// walks the chunks in order with three products each. Every value is f32 as in the token loop;
-// each G[t][.] is the exp of a sum of log-decays taken backwards from the diagonal, so a short
-// span keeps its precision however long the chunk's prefix is (exp of a difference of prefix
-// sums would not).
+// walks the chunks in order with three products each. Every stored value is f32 as in the token
+// loop, and the products keep f32 accuracy (tf32 hi + lo, mma_tf32x3); each G[t][.] is the exp
+// of a sum of log-decays taken backwards from the diagonal, so a short span keeps its precision
+// however long the chunk's prefix is (exp of a difference of prefix sums would not).
 constexpr int GDN_C = 64;  // tokens per chunk
 constexpr int GDN_PREP_THREADS = 256;
 constexpr int GDN_STATE_ROWS = 32;  // state rows per gdn_chunk_state block
@@ -338,24 +338,24 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
         reinterpret_cast<float4*>(kd + (size_t)t * D)[x] = scale4(k4, t < n ? g_end[t] : 0.f);
     }
     // K K^T (warps 0-3) and Q K^T (warps 4-7) on the tensor cores (tf32 split in hi + lo, as in
-    // gdn_chunk_state): warp w takes rows 16 (w % 4) .. + 15 of every column, in acc[n][0..3] at
-    // rows 16 (w % 4) + g (+8) and columns 8n + 2c (+1).
+    // gdn_chunk_state): warp w takes rows 16 (w % 4) .. + 15 of every column, in acc[nt][0..3] at
+    // rows 16 (w % 4) + g (+8) and columns 8nt + 2c (+1).
     const int g = lane >> 2, c = lane & 3, i0 = 16 * (warp % 4);
     const float* xs = warp < 4 ? ks : qs;
     float acc[8][4];
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[n][r] = 0.f;
+        for (int r = 0; r < 4; ++r) acc[nt][r] = 0.f;
 #pragma unroll 2
     for (int k0 = 0; k0 < D; k0 += 8) {
         u32 ah[4], al[4];
         tf32_split_a(ah, al, xs + i0 * KP + k0, KP);
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+        for (int nt = 0; nt < 8; ++nt) {
             u32 bh[2], bl[2];
-            tf32_split_b_nk(bh, bl, ks + 8 * n * KP + k0, KP);
-            mma_tf32x3(acc[n], ah, al, bh, bl);
+            tf32_split_b_nk(bh, bl, ks + 8 * nt * KP + k0, KP);
+            mma_tf32x3(acc[nt], ah, al, bh, bl);
         }
     }
     __syncthreads();  // q and G's last row have been read: v replaces q
@@ -368,25 +368,25 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     // P = G (Q K^T) on and below the diagonal, A = beta G (K K^T) below it; A replaces G once
     // every warp has read its G.
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; r += 2) {
-            const int i = i0 + g + 4 * r, j = 8 * n + 2 * c;
+            const int i = i0 + g + 8 * (r >> 1), j = 8 * nt + 2 * c;
             const float g0 = m[i * MP + j], g1 = m[i * MP + j + 1];
             if (warp < 4) {
-                acc[n][r] = j < i ? beta[i] * g0 * acc[n][r] : 0.f;
-                acc[n][r + 1] = j + 1 < i ? beta[i] * g1 * acc[n][r + 1] : 0.f;
+                acc[nt][r] = j < i ? beta[i] * g0 * acc[nt][r] : 0.f;
+                acc[nt][r + 1] = j + 1 < i ? beta[i] * g1 * acc[nt][r + 1] : 0.f;
             } else {
                 *reinterpret_cast<float2*>(p + i * C + j) =
-                    make_float2(j <= i ? acc[n][r] * g0 : 0.f, j + 1 <= i ? acc[n][r + 1] * g1 : 0.f);
+                    make_float2(j <= i ? acc[nt][r] * g0 : 0.f, j + 1 <= i ? acc[nt][r + 1] * g1 : 0.f);
             }
         }
     __syncthreads();
     if (warp < 4)
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+        for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) m[(i0 + g + 8 * (r >> 1)) * MP + 8 * n + 2 * c + (r & 1)] = acc[n][r];
+            for (int r = 0; r < 4; ++r) m[(i0 + g + 8 * (r >> 1)) * MP + 8 * nt + 2 * c + (r & 1)] = acc[nt][r];
     __syncthreads();
     // (I + A) [W | U'] = [beta gamma K | beta V] by forward substitution: thread c owns column
     // c, held in registers (the loops unroll, so every index is static). Row i needs only its
