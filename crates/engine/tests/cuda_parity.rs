@@ -396,10 +396,10 @@ fn gated_delta_net_matches_over_chunks() {
             randn(&mut rng, hv, 1.0),
         );
         // A prefill chunk, decode steps continuing the same state, then chunks longer than the
-        // conv's run per thread. 9, 1 and 4 tokens take the token loop; 40 and 150 take the
-        // chunked recurrence (one partial chunk; two whole and a partial one), from a state the
-        // earlier inputs left.
-        let inputs: Vec<_> = [9, 1, 1, 4, 40, 150]
+        // conv's run per thread. 9, 1 and 4 tokens take the token loop; 130 and 150 the chunked
+        // recurrence (64-token chunks: two whole and a partial one each). Each form continues
+        // from a state the other left.
+        let inputs: Vec<_> = [9, 1, 130, 1, 4, 150]
             .iter()
             .map(|&t| {
                 (

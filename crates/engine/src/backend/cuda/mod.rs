@@ -356,9 +356,9 @@ fn fa_smem_bytes(d: usize) -> usize {
 const GDN_CHUNK: usize = 64;
 const GDN_STATE_ROWS: usize = 32;
 /// Inputs of at least this many tokens take the chunked recurrence; decode and shorter inputs
-/// take the token loop. Where the two cross is not measured: at 256 tokens the chunked form
-/// takes 2.1 ms of a prefill chunk against the loop's 3.5 (docs/performance.md, run17).
-const GDN_CHUNKED_MIN_TOKENS: usize = 32;
+/// take the token loop. Measured on the H200 (session 13, call 7), prefill of the whole model:
+/// the loop is 1-3% faster at 32, 48 and 64 tokens, the chunked form 1% faster at 128.
+const GDN_CHUNKED_MIN_TOKENS: usize = 128;
 
 /// Dynamic shared memory of `gdn_chunk_prep` and `gdn_chunk_state` for key/value dim `d`
 /// (`gdn_prep_smem_bytes`, `gdn_state_smem_bytes`, kernels/gdn.cu; the kernels trap if a launch
