@@ -2226,8 +2226,8 @@ impl Backend for CudaBackend {
             && t >= GDN_CHUNKED_MIN_TOKENS
         {
             // Per (chunk, value head): [W; gamma Q], Kd, U', P and the chunk's decay.
-            let blocks = t.div_ceil(GDN_CHUNK) * hv;
-            let c = GDN_CHUNK;
+            let (c, chunks) = (GDN_CHUNK, t.div_ceil(GDN_CHUNK));
+            let blocks = chunks * hv;
             let wq = self.tmp::<f32>(blocks * 2 * c * dk)?;
             let kd = self.tmp::<f32>(blocks * c * dk)?;
             let u = self.tmp::<f32>(blocks * c * dv)?;
@@ -2236,11 +2236,7 @@ impl Backend for CudaBackend {
             launch!(
                 self,
                 gdn_chunk.prep,
-                cfg(
-                    (t.div_ceil(c) as u32, hv as u32),
-                    256,
-                    gdn_prep_smem_bytes(dk)
-                ),
+                cfg((chunks as u32, hv as u32), 256, gdn_prep_smem_bytes(dk)),
                 [
                     self.ptr(&qkv.buf),
                     self.ptr(&a.buf),
