@@ -516,7 +516,15 @@ fn attention_matches_at_short_and_long_contexts() {
         rotary_dim: 32,
         rope_theta: 1e6,
     };
-    for sh in [ATTN, small, mid] {
+    // Qwen3.8-Flash-Next's group of 12 query heads per KV head (two tiles of 8 on the tensor cores).
+    let wide = AttnShape {
+        heads: 24,
+        kv_heads: 2,
+        head_dim: 256,
+        rotary_dim: 64,
+        rope_theta: 1e7,
+    };
+    for sh in [ATTN, small, mid, wide] {
         let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
         // Prefill 9 (split-K), decode 1, a long chunk (flash attention: past the cache's first
         // capacity, partial tiles at both ends), a chunk of 70 after 1,311 positions, then

@@ -32,6 +32,11 @@ pub struct BenchArgs {
     /// kernel of one prefill chunk where it runs (GPU only), and report the cost per kernel.
     #[arg(long)]
     pub profile: bool,
+    /// The state's capacity in positions, as `lily serve --max-seq` sizes it (default: the
+    /// prompt and decode steps). Recorded decode steps size their attention grid for the
+    /// power-of-two bucket of the context, capped at this.
+    #[arg(long)]
+    pub max_seq: Option<usize>,
 }
 
 pub fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
@@ -61,7 +66,12 @@ fn bench_on<B: engine::backend::Backend>(
     let vocab = eng.config().vocab_size;
     let prompt = bench_prompt(a.prompt_len, vocab);
     // One more position for the profiled step.
-    let max_seq = a.prompt_len + a.decode_steps + 2;
+    let needed = a.prompt_len + a.decode_steps + 2;
+    let max_seq = a.max_seq.unwrap_or(needed);
+    anyhow::ensure!(
+        max_seq >= needed,
+        "--max-seq {max_seq} is below the {needed} positions the prompt and decode steps need"
+    );
 
     // Warm-up on a throwaway state: one prefill chunk and two decode steps.
     {
@@ -146,6 +156,7 @@ fn bench_on<B: engine::backend::Backend>(
             "prompt_kind": "u32_golden_ratio_hash_mod_vocab",
             "decode_steps": a.decode_steps,
             "decode_mode": "sequential",
+            "max_seq": max_seq,
         },
         "results": {
             "prefill": {

@@ -162,11 +162,9 @@ struct Kernels {
     rope: CudaFunction,
     kv_write: CudaFunction,
     attn_prep: CudaFunction,
-    /// Head dims 64, 128, 256, 512.
-    attention_partial: [CudaFunction; 4],
-    /// The dynamic shared memory each `attention_partial` kernel was allowed (opted in to the
-    /// most its largest query group needs, or as much as this device gives).
-    attention_partial_smem: [usize; 4],
+    /// Split-K decode attention for query groups of up to 8 and up to 16 heads, head dims 64,
+    /// 128, 256, 512; `None` where the device cannot give a block its shared memory.
+    attention_partial: [[Option<CudaFunction>; 4]; 2],
     attention_combine: CudaFunction,
     /// Flash attention for prefill, head dims 64, 128, 256; `None` where the device cannot
     /// give a block the shared memory it needs (the split-K kernels serve instead).
@@ -253,21 +251,16 @@ impl Kernels {
             ])
         };
         let pair = |name: &str| pair_in("quant", name);
-        let attention_partial = [
-            f("attention", "attention_partial_d2")?,
-            f("attention", "attention_partial_d4")?,
-            f("attention", "attention_partial_d8")?,
-            f("attention", "attention_partial_d16")?,
-        ];
-        // The largest query group's shared memory this device accepts for each head dim (64 <<
-        // variant); a launch needing more is refused (`attention`).
-        let attention_partial_smem: [usize; 4] = std::array::from_fn(|variant| {
-            [32, 16, 8, 4, 2, 1]
-                .map(|group| attn_decode_smem_bytes(64 << variant, group))
-                .into_iter()
-                .find(|&bytes| allow_dynamic_smem(&attention_partial[variant], bytes).is_ok())
-                .unwrap_or(0)
-        });
+        let mut attention_partial: [[Option<CudaFunction>; 4]; 2] = Default::default();
+        for (ng_index, per_dim) in attention_partial.iter_mut().enumerate() {
+            for (variant, slot) in per_dim.iter_mut().enumerate() {
+                let (nd, ng) = (2 << variant, ng_index + 1);
+                let func = f("attention", &format!("attention_partial_d{nd}_g{ng}"))?;
+                if allow_dynamic_smem(&func, attn_decode_smem_bytes(64 << variant, ng)).is_ok() {
+                    *slot = Some(func);
+                }
+            }
+        }
         let variants = |name: &str| -> Result<[[CudaFunction; 3]; 2]> {
             let [a4, a8] = pair(name)?;
             let [b4, b8] = pair(&format!("{name}_r1"))?;
@@ -319,7 +312,6 @@ impl Kernels {
             kv_write: f("attention", "kv_write")?,
             attn_prep: f("attention", "attn_prep")?,
             attention_partial,
-            attention_partial_smem,
             attention_combine: f("attention", "attention_combine")?,
             kv_split: f("attention", "kv_split")?,
             attention_prefill: [64, 128, 256].map(|d| {
@@ -376,11 +368,12 @@ fn gdn_state_smem_bytes(d: usize) -> usize {
         + 2 * c * (r + 8))
 }
 
-/// Dynamic shared memory of the decode attention kernel for head dim `d` and `group` query
-/// heads per KV head (`attn_decode_smem_bytes`, kernels/attention.cu): the group's queries and
-/// two stages of K (pitch d + 4) and V rows.
-fn attn_decode_smem_bytes(d: usize, group: usize) -> usize {
-    4 * (group * d + 2 * ATTN_TILE * (2 * d + 4))
+/// Dynamic shared memory of the decode attention kernel for head dim `d` and `ng` tiles of 8
+/// query heads (`attn_decode_smem_bytes`, kernels/attention.cu): the queries, the warps' score
+/// parts, and the stages of K (pitch d + 4) and V rows (pitch d + 8).
+fn attn_decode_smem_bytes(d: usize, ng: usize) -> usize {
+    let stages = if d >= 512 { 2 } else { 3 };
+    4 * (8 * ng * (d + 4) + ATTN_WARPS * ATTN_TILE * 8 * ng + stages * ATTN_TILE * (2 * d + 12))
 }
 
 pub struct CudaBackend {
@@ -734,6 +727,8 @@ const FA_MIN_TOKENS: usize = 32;
 const ATTN_MIN_CHUNK: usize = 64;
 /// Keys per tile of the decode attention kernel (`ATTN_TILE`, kernels/attention.cu).
 const ATTN_TILE: usize = 16;
+/// Warps per block of the decode attention kernel (`ADEC_WARPS`).
+const ATTN_WARPS: usize = 4;
 /// The largest dynamic shared memory a launch may ask for without opting in (48 KiB).
 const SMEM_LIMIT: usize = 48 * 1024;
 
@@ -1566,12 +1561,12 @@ impl CudaBackend {
         if variant == usize::MAX
             || sh.kv_heads == 0
             || h % sh.kv_heads != 0
-            || h / sh.kv_heads > 32
+            || h / sh.kv_heads > 16
             || q.cols != h * d
         {
             return Err(Error::Backend(format!(
                 "attention: {h} heads of {d} over {} KV heads is not supported on CUDA \
-                 (head dims 64, 128, 256 and 512 are)",
+                 (head dims 64, 128, 256 and 512 are, with up to 16 query heads per KV head)",
                 sh.kv_heads
             )));
         }
@@ -1632,7 +1627,7 @@ impl CudaBackend {
         }
         // Split the keys so that the grid fills the GPU even for one query, without more
         // partial results than there are useful blocks. A recorded step sizes the grid for the
-        // longest context of its bucket; splits past the actual keys exit at once.
+        // longest context of its bucket; the kernel spreads the keys the step has over it.
         let kv = sh.kv_heads;
         let bound = if self.recording() {
             self.bucket.load(Ordering::Relaxed).max(pos0 + t)
@@ -1640,29 +1635,30 @@ impl CudaBackend {
             pos0 + t
         };
         let rows = t * h;
-        let (threads, smem) = (32 * (h / kv), attn_decode_smem_bytes(d, h / kv));
-        if smem > self.k.attention_partial_smem[variant] {
+        let ng = (h / kv).div_ceil(8);
+        let smem = attn_decode_smem_bytes(d, ng);
+        let Some(attention_partial) = &self.k.attention_partial[ng - 1][variant] else {
             return Err(Error::Backend(format!(
                 "attention: {} query heads per KV head of dim {d} need {smem} bytes of shared \
-                 memory per block; this GPU allows {}",
-                h / kv,
-                self.k.attention_partial_smem[variant]
+                 memory per block, more than this GPU gives",
+                h / kv
             )));
-        }
+        };
+        let threads = 32 * ATTN_WARPS as u32;
         // As many blocks as the GPU holds at once, at most: a second wave would run the tail of
-        // the keys after the first (three blocks per SM for the 35B's 74 KiB). And 256 splits
-        // at most: the merge kernel keeps one weight per split in shared memory.
-        let per_sm = self.k.attention_partial[variant]
-            .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+        // the keys after the first (two blocks per SM for the 35B's 108 KiB). And 256 splits
+        // at most: the merge kernel keeps one weight per split in shared memory. The kernel
+        // divides the keys it actually has among the splits.
+        let per_sm = attention_partial
+            .occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)
             .map_err(driver("attention occupancy"))? as usize;
         let max_splits = (per_sm.max(1) * self.sms / (t * kv)).clamp(1, 256);
         let splits = bound.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
-        let chunk = bound.div_ceil(splits);
         let part = self.tmp::<f32>(rows * splits * (d + 2))?;
         launch!(
             self,
-            self.k.attention_partial[variant],
-            cfg(((t * kv) as u32, splits as u32), threads as u32, smem),
+            attention_partial,
+            cfg(((t * kv) as u32, splits as u32), threads, smem),
             [
                 self.ptr(&q.buf),
                 self.ptr(&c.k),
@@ -1671,9 +1667,7 @@ impl CudaBackend {
                 h as i32,
                 kv as i32,
                 self.pos_ptr(),
-                pos0 as i32,
-                chunk as i32,
-                splits as i32
+                pos0 as i32
             ]
         )?;
         launch!(

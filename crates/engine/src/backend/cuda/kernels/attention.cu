@@ -88,130 +88,216 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
     }
 }
 
-// Keys per tile of the decode attention kernel: two lanes per key compute its score.
+// Decode attention, split-K: one block per (token t, KV head, key split) computes, for each query
+// head of the KV head's group, the partial results of its keys, (acc[d], max, sum) with acc =
+// sum_k exp(s_k - max) v_k, to part [T*H, splits, D+2]; attention_combine merges the splits.
+//
+// On the tensor cores: the query group is the N = 8 side of m16n8k8 tf32 products (NG tiles of
+// 8 query heads, the last padded with zero queries), so that the block's warps read each K and V
+// value from shared memory once, not once per query head. Every operand is split in tf32 hi + lo
+// (mma_tf32x3), near f32 accuracy. The warps divide the head dims. Per tile of 16 keys
+// (adec_stages(d) - 1 tiles in flight, copied by cp.async):
+//   S^T [16 keys][heads]: each warp's product over its dims (A = K rows, B = Q^T) goes to shared
+//     memory, and every warp sums the ADEC_WARPS parts in the same order (so each holds the same
+//     scores, maxima and sums, and no warp's results need merging at the end);
+//   online softmax per head: lane (g, c) holds head g's scores of keys c, c + 4, c + 8, c + 12,
+//     which are the B fragments of P^T for the next product;
+//   O^T [its dims][heads] += V^T P^T (A = V rows, transposed as read).
+// Keys past the end score -inf; their V rows are zeroed (a zero probability times an uncopied
+// row could be NaN). The keys are split from the length read at run time (`position`), so that a
+// recorded step, whose grid is sized for its context's power-of-two bucket, still gives every
+// block keys. Launch with 32 * ADEC_WARPS threads, (T * KVH, splits) blocks and
+// attn_decode_smem_bytes(d, ng) of dynamic shared memory.
 constexpr int ATTN_TILE = 16;
-
-// Dynamic shared memory of attention_partial for head dim d and `group` query heads per KV head:
-// the group's queries [group][d], then two stages of K rows [ATTN_TILE][d + 4] (the pitch keeps a
-// quarter warp's 16-byte reads of 8 different rows on different banks) and V rows
-// [ATTN_TILE][d].
-__host__ __device__ constexpr int attn_decode_smem_bytes(int d, int group) {
-    return 4 * (group * d + 2 * ATTN_TILE * (2 * d + 4));
+constexpr int ADEC_WARPS = 4;
+__host__ __device__ constexpr int adec_stages(int d) { return d >= 512 ? 2 : 3; }
+// Q [8 ng][d + 4], score parts [warps][16][8 ng], then the stages: K [16][d + 4], V [16][d + 8]
+// (pitches 4 and 8 mod 32 keep the fragment reads on 32 different banks).
+__host__ __device__ constexpr int attn_decode_smem_bytes(int d, int ng) {
+    return 4 * (8 * ng * (d + 4) + ADEC_WARPS * ATTN_TILE * 8 * ng + adec_stages(d) * ATTN_TILE * (2 * d + 12));
 }
 
-// One block per (token t, KV head, key split) with one warp per query head of that KV head's
-// group. The block copies its keys' K and V rows into shared memory by cp.async, one tile while
-// the previous is in use, so each row is read from memory once for the whole group. Per tile of
-// 16 keys, lane l computes the score of key l % 16 over half the dims (l / 16), the two halves
-// adding by one shuffle; the tile's softmax max and sum are one warp reduction each; then
-// O += P V with lanes over dims, each key's probability broadcast by a shuffle. Warp w covers
-// query row r = t * heads + kvh * group + w over keys [split * chunk, min(+chunk, pos0 + t + 1))
-// and writes (acc[d], max, sum) to part[r][split]. ND = head_dim / 32 values per lane.
-// q [T, H*D]; k, v [cap, KVH*D]; part [T*H, splits, D+2]. Launch with 32 * group threads and
-// attn_decode_smem_bytes(d, group) of dynamic shared memory.
-template <int ND>
+template <int ND, int NG>
 __device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, const float* __restrict__ k,
                                                        const float* __restrict__ v, float* __restrict__ part,
-                                                       int heads, int kv_heads, const int* pos_ptr, int pos0,
-                                                       int chunk, int splits) {
-    constexpr int d = 32 * ND, KP = d + 4, HALF = d / 2;
+                                                       int heads, int kv_heads, const int* pos_ptr, int pos0) {
+    constexpr int D = 32 * ND, H = 8 * NG, TILE = ATTN_TILE;
+    constexpr int DW = D / ADEC_WARPS, KSTEPS = DW / 8, MTILES = DW / 16;
+    constexpr int QP = D + 4, KP = D + 4, VP = D + 8, STAGES = adec_stages(D);
+    constexpr int STAGE = TILE * (KP + VP);
     extern __shared__ float4 attn_smem[];
+    require_dynamic_smem(attn_decode_smem_bytes(D, NG));
+    float* qs = reinterpret_cast<float*>(attn_smem);  // [H][QP]
+    float* sp = qs + H * QP;                         // [ADEC_WARPS][TILE][H]
+    float* stages = sp + ADEC_WARPS * TILE * H;      // [STAGES][K [TILE][KP], V [TILE][VP]]
     const int group = heads / kv_heads;
-    float* qs = reinterpret_cast<float*>(attn_smem);  // [group][d]
-    float* stages = qs + group * d;                  // [2][K [TILE][KP], V [TILE][d]]
     const int t = blockIdx.x / kv_heads, kvh = blockIdx.x % kv_heads, split = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r = t * heads + kvh * group + warp;
-    const int len = position(pos_ptr, pos0) + t + 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int splits = gridDim.y, pos = position(pos_ptr, pos0), len = pos + t + 1;
+    // Whole tiles a split, from the last token's keys.
+    const int keys = pos + (int)gridDim.x / kv_heads;
+    const int chunk = ((keys + splits - 1) / splits + TILE - 1) / TILE * TILE;
     const int start = split * chunk, end = min(start + chunk, len);
-    const size_t row = (size_t)kv_heads * d;
-    // Tile j's rows: K and V of keys start + j * TILE .. (those before `end`), 16 bytes a copy.
+    const size_t row = (size_t)kv_heads * D;
+    const int tiles_n = end > start ? (end - start + TILE - 1) / TILE : 0;
+    // Tile j's K and V rows into stage j % STAGES, 16 bytes a copy; one commit group per tile
+    // (an empty one past the last tile, so that the waits count alike).
     auto fetch = [&](int j) {
-        float* kt = stages + (j & 1) * ATTN_TILE * (KP + d);
-        float* vt = kt + ATTN_TILE * KP;
-        const int p0 = start + j * ATTN_TILE, n = min(ATTN_TILE, end - p0) * (d / 4);
-        for (int c = threadIdx.x; c < 2 * n; c += blockDim.x) {
-            const int is_v = c >= n, cc = c - is_v * n;
-            const int key = cc / (d / 4), col = 4 * (cc % (d / 4));
-            const size_t src = (size_t)(p0 + key) * row + kvh * d + col;
-            if (is_v) cp_async16(vt + key * d + col, v + src);
-            else cp_async16(kt + key * KP + col, k + src);
+        if (j < tiles_n) {
+            float* kt = stages + (j % STAGES) * STAGE;
+            float* vt = kt + TILE * KP;
+            const int p0 = start + j * TILE, n = min(TILE, end - p0);
+            for (int i = threadIdx.x; i < TILE * (D / 4); i += blockDim.x) {
+                const int key = i / (D / 4), col = 4 * (i % (D / 4));
+                if (key < n) {
+                    const size_t src = (size_t)(p0 + key) * row + (size_t)kvh * D + col;
+                    cp_async16(kt + key * KP + col, k + src);
+                    cp_async16(vt + key * VP + col, v + src);
+                } else {
+                    *reinterpret_cast<float4*>(vt + key * VP + col) = make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+            }
         }
         cp_async_commit();
     };
-    const int tiles_n = end > start ? (end - start + ATTN_TILE - 1) / ATTN_TILE : 0;
-    if (tiles_n > 0) fetch(0);
-    // The group's queries, scaled, for the score lanes to read (each warp its own row).
-    const float scale = rsqrtf((float)d);
-    for (int c = threadIdx.x; c < group * d; c += blockDim.x)
-        qs[c] = q[(size_t)(t * heads + kvh * group) * d + c] * scale;
-    const float* qw = qs + warp * d + (lane >> 4) * HALF;
-    float acc[ND];
 #pragma unroll
-    for (int j = 0; j < ND; ++j) acc[j] = 0.f;
-    float m = NEG_INF, l = 0.f;
+    for (int j = 0; j < STAGES - 1; ++j) fetch(j);
+    const float scale = rsqrtf((float)D);
+    for (int i = threadIdx.x; i < H * D; i += blockDim.x) {
+        const int h = i / D, col = i % D;
+        qs[h * QP + col] = h < group ? q[((size_t)t * heads + kvh * group + h) * D + col] * scale : 0.f;
+    }
+    float o[NG][MTILES][4];
+    float m[NG], l[NG];  // head n * 8 + g's running max and sum
+#pragma unroll
+    for (int n = 0; n < NG; ++n) {
+        m[n] = NEG_INF;
+        l[n] = 0.f;
+#pragma unroll
+        for (int mt = 0; mt < MTILES; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[n][mt][i] = 0.f;
+    }
+    const int d0 = warp * DW;  // this warp's first dim
     for (int j = 0; j < tiles_n; ++j) {
-        if (j + 1 < tiles_n) {
-            fetch(j + 1);
-            cp_async_wait_one();
-        } else {
-            cp_async_wait_all();
+        if constexpr (STAGES == 3) cp_async_wait_one();
+        else cp_async_wait_all();
+        __syncthreads();  // tile j is in; every warp is done with tile j - 1 (its stage, the parts)
+        fetch(j + STAGES - 1);
+        const float* kt = stages + (j % STAGES) * STAGE;
+        const float* vt = kt + TILE * KP;
+        // This warp's part of S^T = K Q^T.
+        float s[NG][4];
+#pragma unroll
+        for (int n = 0; n < NG; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            u32 ah[4], al[4];
+            tf32_split_a(ah, al, kt + d0 + 8 * ks, KP);
+#pragma unroll
+            for (int n = 0; n < NG; ++n) {
+                u32 bh[2], bl[2];
+                tf32_split_b_nk(bh, bl, qs + 8 * n * QP + d0 + 8 * ks, QP);
+                mma_tf32x3(s[n], ah, al, bh, bl);
+            }
+        }
+        float* mine = sp + warp * TILE * H;
+#pragma unroll
+        for (int n = 0; n < NG; ++n) {
+            *reinterpret_cast<float2*>(mine + g * H + 8 * n + 2 * c) = make_float2(s[n][0], s[n][1]);
+            *reinterpret_cast<float2*>(mine + (g + 8) * H + 8 * n + 2 * c) = make_float2(s[n][2], s[n][3]);
         }
         __syncthreads();
-        const float* kt = stages + (j & 1) * ATTN_TILE * (KP + d);
-        const float* vt = kt + ATTN_TILE * KP;
-        const int p0 = start + j * ATTN_TILE, key = lane & (ATTN_TILE - 1);
-        // Score of key `key` over this lane's half of the dims.
-        const float4* kr = reinterpret_cast<const float4*>(kt + key * KP + (lane >> 4) * HALF);
-        const float4* qr = reinterpret_cast<const float4*>(qw);
-        float dot = 0.f;
-#pragma unroll 8
-        for (int i = 0; i < HALF / 4; ++i) {
-            const float4 a = qr[i], b = kr[i];
-            dot = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, dot))));
-        }
-        dot += __shfl_xor_sync(0xffffffffu, dot, 16);
-        // Keys past the end (their rows were not copied) weigh nothing.
-        const float s = p0 + key < end ? dot : NEG_INF;
-        float tile_max = s;
-        for (int o = 8; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-        const float m_new = fmaxf(m, tile_max);  // finite: every tile has a key before `end`
-        const float corr = expf(m - m_new);      // 0 on the first tile (m = -inf)
-        const float p = s == NEG_INF ? 0.f : expf(s - m_new);
-        float tile_sum = p;
-        for (int o = 8; o > 0; o >>= 1) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, o);
-        l = l * corr + tile_sum;
-        m = m_new;
+        const int p0 = start + j * TILE;
 #pragma unroll
-        for (int i = 0; i < ND; ++i) acc[i] *= corr;
-        const int keys = min(ATTN_TILE, end - p0);
-        for (int u = 0; u < keys; ++u) {
-            const float pu = __shfl_sync(0xffffffffu, p, u);
+        for (int n = 0; n < NG; ++n) {
+            // Head 8n + g's scores of keys c + 4i, the parts added in warp order.
+            float sc[4];
 #pragma unroll
-            for (int i = 0; i < ND; ++i) acc[i] = fmaf(pu, vt[u * d + lane + 32 * i], acc[i]);
+            for (int i = 0; i < 4; ++i) {
+                const int key = c + 4 * i;
+                float a = 0.f;
+#pragma unroll
+                for (int w = 0; w < ADEC_WARPS; ++w) a += sp[(w * TILE + key) * H + 8 * n + g];
+                sc[i] = p0 + key < end ? a : NEG_INF;
+            }
+            float tile_max = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float m_new = fmaxf(m[n], tile_max);  // finite: every tile has a key before `end`
+            const float corr = expf(m[n] - m_new);      // 0 on the first tile (m = -inf)
+            float p[4], tile_sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                p[i] = sc[i] == NEG_INF ? 0.f : expf(sc[i] - m_new);
+                tile_sum += p[i];
+            }
+            tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 1);
+            tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 2);
+            l[n] = l[n] * corr + tile_sum;
+            m[n] = m_new;
+            // The accumulator columns are heads 2c and 2c + 1, whose factors lanes 8c and 8c + 4 hold.
+            const float corr0 = __shfl_sync(0xffffffffu, corr, 8 * c);
+            const float corr1 = __shfl_sync(0xffffffffu, corr, 8 * c + 4);
+            // P^T's fragments: keys c, c + 4 (k-step 0) and c + 8, c + 12 (k-step 1) of head g.
+            u32 ph[4], pl[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tf32_split(p[i], ph[i], pl[i]);
+#pragma unroll
+            for (int mt = 0; mt < MTILES; ++mt) {
+                float* acc = o[n][mt];
+                acc[0] *= corr0;
+                acc[1] *= corr1;
+                acc[2] *= corr0;
+                acc[3] *= corr1;
+#pragma unroll
+                for (int kstep = 0; kstep < 2; ++kstep) {
+                    u32 ah[4], al[4];
+                    tf32_split_a_km(ah, al, vt + 8 * kstep * VP + d0 + 16 * mt, VP);
+                    mma_tf32x3(acc, ah, al, ph + 2 * kstep, pl + 2 * kstep);
+                }
+            }
         }
-        __syncthreads();  // every warp is done with this stage before it is refilled
     }
-    float* out = part + ((size_t)r * splits + split) * (d + 2);
+    // O^T's fragments: dims d0 + 16 mt + g (+ 8), heads 8n + 2c (+ 1).
+    const size_t r0 = (size_t)t * heads + (size_t)kvh * group;
 #pragma unroll
-    for (int j = 0; j < ND; ++j) out[lane + 32 * j] = acc[j];
-    if (lane == 0) {
-        out[d] = m;
-        out[d + 1] = l;
+    for (int n = 0; n < NG; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int h = 8 * n + 2 * c + (i & 1);
+            if (h >= group) continue;
+            float* out = part + ((r0 + h) * splits + split) * (D + 2);
+#pragma unroll
+            for (int mt = 0; mt < MTILES; ++mt) out[d0 + 16 * mt + g + 8 * (i >> 1)] = o[n][mt][i];
+        }
+        const int h = 8 * n + g;
+        if (warp == 0 && c == 0 && h < group) {
+            float* out = part + ((r0 + h) * splits + split) * (D + 2);
+            out[D] = m[n];
+            out[D + 1] = l[n];
+        }
     }
 }
 
-#define ATTENTION_PARTIAL(ND)                                                                              \
-    extern "C" __global__ void attention_partial_d##ND(const float* q, const float* k, const float* v,    \
-                                                        float* part, int heads, int kv_heads,              \
-                                                        const int* pos_ptr, int pos0, int chunk, int splits) { grid_dep(); \
-        attention_partial_impl<ND>(q, k, v, part, heads, kv_heads, pos_ptr, pos0, chunk, splits);          \
+#define ATTENTION_PARTIAL(ND, NG)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * ADEC_WARPS)                                               \
+        attention_partial_d##ND##_g##NG(const float* q, const float* k, const float* v, float* part, int heads, \
+                                        int kv_heads, const int* pos_ptr, int pos0) {                           \
+        grid_dep();                                                                                            \
+        attention_partial_impl<ND, NG>(q, k, v, part, heads, kv_heads, pos_ptr, pos0);                        \
     }
-// Head dims 64, 128, 256 and 512.
-ATTENTION_PARTIAL(2)
-ATTENTION_PARTIAL(4)
-ATTENTION_PARTIAL(8)
-ATTENTION_PARTIAL(16)
+// Head dims 64, 128, 256 and 512; query groups of up to 8 and up to 16 heads.
+ATTENTION_PARTIAL(2, 1)
+ATTENTION_PARTIAL(4, 1)
+ATTENTION_PARTIAL(8, 1)
+ATTENTION_PARTIAL(16, 1)
+ATTENTION_PARTIAL(2, 2)
+ATTENTION_PARTIAL(4, 2)
+ATTENTION_PARTIAL(8, 2)
+ATTENTION_PARTIAL(16, 2)
 
 // o[r][c] = sum_s exp(m_s - M) acc_s[c] / sum_s exp(m_s - M) l_s over the splits of row r
 // (splits past the row's keys hold max = -inf and weigh nothing). One block of 256 threads per
