@@ -373,7 +373,9 @@ fn gdn_state_smem_bytes(d: usize) -> usize {
 /// parts, and the stages of K (pitch d + 4) and V rows (pitch d + 8).
 fn attn_decode_smem_bytes(d: usize, ng: usize) -> usize {
     let stages = if d >= 512 { 2 } else { 3 };
-    4 * (8 * ng * (d + 4) + ATTN_WARPS * ATTN_TILE * 8 * ng + stages * ATTN_TILE * (2 * d + 12))
+    4 * (8 * ng * (d + 4)
+        + attn_decode_warps(d) * ATTN_TILE * 8 * ng
+        + stages * ATTN_TILE * (2 * d + 12))
 }
 
 pub struct CudaBackend {
@@ -727,8 +729,11 @@ const FA_MIN_TOKENS: usize = 32;
 const ATTN_MIN_CHUNK: usize = 64;
 /// Keys per tile of the decode attention kernel (`ATTN_TILE`, kernels/attention.cu).
 const ATTN_TILE: usize = 16;
-/// Warps per block of the decode attention kernel (`ADEC_WARPS`).
-const ATTN_WARPS: usize = 4;
+/// Warps per block of the decode attention kernel for head dim `d` (`adec_warps`): eight, each
+/// with 16 dims at least.
+fn attn_decode_warps(d: usize) -> usize {
+    (d / 16).min(8)
+}
 /// The largest dynamic shared memory a launch may ask for without opting in (48 KiB).
 const SMEM_LIMIT: usize = 48 * 1024;
 
@@ -1644,7 +1649,7 @@ impl CudaBackend {
                 h / kv
             )));
         };
-        let threads = 32 * ATTN_WARPS as u32;
+        let threads = 32 * attn_decode_warps(d) as u32;
         // As many blocks as the GPU holds at once, at most: a second wave would run the tail of
         // the keys after the first (two blocks per SM for the 35B's 108 KiB). And 256 splits
         // at most: the merge kernel keeps one weight per split in shared memory. The kernel

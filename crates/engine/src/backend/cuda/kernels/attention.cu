@@ -98,7 +98,7 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
 // (mma_tf32x3), near f32 accuracy. The warps divide the head dims. Per tile of 16 keys
 // (adec_stages(d) - 1 tiles in flight, copied by cp.async):
 //   S^T [16 keys][heads]: each warp's product over its dims (A = K rows, B = Q^T) goes to shared
-//     memory, and every warp sums the ADEC_WARPS parts in the same order (so each holds the same
+//     memory, and every warp sums the adec_warps(d) parts in the same order (so each holds the same
 //     scores, maxima and sums, and no warp's results need merging at the end);
 //   online softmax per head: lane (g, c) holds head g's scores of keys c, c + 4, c + 8, c + 12,
 //     which are the B fragments of P^T for the next product;
@@ -106,15 +106,16 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
 // Keys past the end score -inf; their V rows are zeroed (a zero probability times an uncopied
 // row could be NaN). The keys are split from the length read at run time (`position`), so that a
 // recorded step, whose grid is sized for its context's power-of-two bucket, still gives every
-// block keys. Launch with 32 * ADEC_WARPS threads, (T * KVH, splits) blocks and
+// block keys. Launch with 32 * adec_warps(d) threads, (T * KVH, splits) blocks and
 // attn_decode_smem_bytes(d, ng) of dynamic shared memory.
 constexpr int ATTN_TILE = 16;
-constexpr int ADEC_WARPS = 4;
+// Warps a block: eight, each with 16 dims at least.
+__host__ __device__ constexpr int adec_warps(int d) { return d / 16 < 8 ? d / 16 : 8; }
 __host__ __device__ constexpr int adec_stages(int d) { return d >= 512 ? 2 : 3; }
 // Q [8 ng][d + 4], score parts [warps][16][8 ng], then the stages: K [16][d + 4], V [16][d + 8]
 // (pitches 4 and 8 mod 32 keep the fragment reads on 32 different banks).
 __host__ __device__ constexpr int attn_decode_smem_bytes(int d, int ng) {
-    return 4 * (8 * ng * (d + 4) + ADEC_WARPS * ATTN_TILE * 8 * ng + adec_stages(d) * ATTN_TILE * (2 * d + 12));
+    return 4 * (8 * ng * (d + 4) + adec_warps(d) * ATTN_TILE * 8 * ng + adec_stages(d) * ATTN_TILE * (2 * d + 12));
 }
 
 template <int ND, int NG>
@@ -122,14 +123,14 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
                                                        const float* __restrict__ v, float* __restrict__ part,
                                                        int heads, int kv_heads, const int* pos_ptr, int pos0) {
     constexpr int D = 32 * ND, H = 8 * NG, TILE = ATTN_TILE;
-    constexpr int DW = D / ADEC_WARPS, KSTEPS = DW / 8, MTILES = DW / 16;
+    constexpr int WARPS = adec_warps(D), DW = D / WARPS, KSTEPS = DW / 8, MTILES = DW / 16;
     constexpr int QP = D + 4, KP = D + 4, VP = D + 8, STAGES = adec_stages(D);
     constexpr int STAGE = TILE * (KP + VP);
     extern __shared__ float4 attn_smem[];
     require_dynamic_smem(attn_decode_smem_bytes(D, NG));
     float* qs = reinterpret_cast<float*>(attn_smem);  // [H][QP]
-    float* sp = qs + H * QP;                         // [ADEC_WARPS][TILE][H]
-    float* stages = sp + ADEC_WARPS * TILE * H;      // [STAGES][K [TILE][KP], V [TILE][VP]]
+    float* sp = qs + H * QP;                         // [WARPS][TILE][H]
+    float* stages = sp + WARPS * TILE * H;           // [STAGES][K [TILE][KP], V [TILE][VP]]
     const int group = heads / kv_heads;
     const int t = blockIdx.x / kv_heads, kvh = blockIdx.x % kv_heads, split = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -220,7 +221,7 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
                 const int key = c + 4 * i;
                 float a = 0.f;
 #pragma unroll
-                for (int w = 0; w < ADEC_WARPS; ++w) a += sp[(w * TILE + key) * H + 8 * n + g];
+                for (int w = 0; w < WARPS; ++w) a += sp[(w * TILE + key) * H + 8 * n + g];
                 sc[i] = p0 + key < end ? a : NEG_INF;
             }
             float tile_max = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
@@ -283,7 +284,7 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
 }
 
 #define ATTENTION_PARTIAL(ND, NG)                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * ADEC_WARPS)                                               \
+    extern "C" __global__ void __launch_bounds__(32 * adec_warps(32 * ND))                                         \
         attention_partial_d##ND##_g##NG(const float* q, const float* k, const float* v, float* part, int heads, \
                                         int kv_heads, const int* pos_ptr, int pos0) {                           \
         grid_dep();                                                                                            \
