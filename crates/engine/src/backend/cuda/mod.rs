@@ -398,6 +398,8 @@ pub struct CudaBackend {
     graphs: bool,
     /// Programmatic dependent launch (compute capability 9.0+; `LILY_CUDA_PDL=0` turns it off).
     pdl: bool,
+    /// Keys per decode attention split, at least (`ATTN_MIN_CHUNK`).
+    attn_min_chunk: usize,
     /// While profiling: every launch, for replay in isolation.
     trace: Mutex<Option<Vec<Traced>>>,
     tracing: AtomicBool,
@@ -725,8 +727,9 @@ const CONV_TOKENS: u32 = 64;
 const FA_QUERIES: usize = 128;
 const FA_MIN_TOKENS: usize = 32;
 
-/// Keys per attention split, at least (more when the split count is capped).
-const ATTN_MIN_CHUNK: usize = 64;
+/// Keys per attention split, at least (more when the split count is capped);
+/// `LILY_CUDA_ATTN_MIN_CHUNK` overrides it, for A/B.
+const ATTN_MIN_CHUNK: usize = 16;
 /// Keys per tile of the decode attention kernel (`ATTN_TILE`, kernels/attention.cu).
 const ATTN_TILE: usize = 16;
 /// Warps per block of the decode attention kernel for head dim `d` (`adec_warps`): eight, each
@@ -771,6 +774,11 @@ impl CudaBackend {
             bucket: AtomicUsize::new(0),
             graphs: std::env::var("LILY_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             pdl,
+            attn_min_chunk: std::env::var("LILY_CUDA_ATTN_MIN_CHUNK")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&n| n > 0)
+                .unwrap_or(ATTN_MIN_CHUNK),
             trace: Mutex::new(None),
             tracing: AtomicBool::new(false),
             in_place: AtomicBool::new(false),
@@ -1658,7 +1666,7 @@ impl CudaBackend {
             .occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)
             .map_err(driver("attention occupancy"))? as usize;
         let max_splits = (per_sm.max(1) * self.sms / (t * kv)).clamp(1, 256);
-        let splits = bound.div_ceil(ATTN_MIN_CHUNK).clamp(1, max_splits);
+        let splits = bound.div_ceil(self.attn_min_chunk).clamp(1, max_splits);
         let part = self.tmp::<f32>(rows * splits * (d + 2))?;
         launch!(
             self,
