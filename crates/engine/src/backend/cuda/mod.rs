@@ -1659,7 +1659,7 @@ impl CudaBackend {
         };
         let threads = 32 * attn_decode_warps(d) as u32;
         // As many blocks as the GPU holds at once, at most: a second wave would run the tail of
-        // the keys after the first (two blocks per SM for the 35B's 108 KiB). And 256 splits
+        // the keys after the first (two blocks per SM for the 35B's 110 KiB). And 256 splits
         // at most: the merge kernel keeps one weight per split in shared memory. The kernel
         // divides the keys it actually has among the splits.
         let per_sm = attention_partial
