@@ -9,11 +9,37 @@
 // QMat and bf16_to_f32 live in common.cuh (the tensor-core products of qmma.cu share them).
 
 
+// A code used in place: masked, not shifted, its bits read as a float. Codes wholly below bit 24
+// stay where they are; the others are taken from the word shifted down by 8. Below 2^24 the bits
+// m of a float are exactly m * 2^-149 (a denormal, or the first binade above them), so the code
+// at bit offset o reads as q * 2^(o - 149), and its product with x * 2^(CODE_X_EXP - o) is
+// q * x * 2^-CODE_DOT_EXP, exact: the dot product over a vector is the plain one scaled by a
+// power of two, bit for bit, and is scaled back once per vector. One mask (LOP3) and one FFMA a
+// code: converting each code (I2FP) or offsetting it into a normal float (and subtracting the
+// offset) costs a third instruction, and the decode products are bound by instruction issue
+// (Nsight Compute: 66% of issue slots for the lm_head, docs/performance.md). The staged x may
+// not reach 2^59 (it would overflow; the products' inputs are normed activations), and a term
+// q * x under 2^-46 keeps its absolute error under 2^-70 instead of its relative one.
+#define CODE_DOT_EXP 80
+#define CODE_X_EXP (149 - CODE_DOT_EXP)
+
+template <int BITS>
+__device__ __forceinline__ constexpr bool code_in_place(int j) { return BITS * (j + 1) <= 24; }
+
+template <int BITS>
+__device__ __forceinline__ constexpr int code_offset(int j) { return code_in_place<BITS>(j) ? BITS * j : BITS * j - 8; }
+
+// Code j of a word as the float q * 2^(code_offset(j) - 149); `shifted` is word >> 8. j is a
+// constant once the callers' loops unroll.
+template <int BITS>
+__device__ __forceinline__ float code_value(u32 word, u32 shifted, int j) {
+    return __uint_as_float((code_in_place<BITS>(j) ? word : shifted) & (((1u << BITS) - 1u) << code_offset<BITS>(j)));
+}
+
 // Stages x (cols floats) in shared memory for the matrix-vector loop, in two parts:
-//   xs[j][w] = x[w * PER_WORD + j] * 2^(-BITS * j), transposed, so that the loop reads four
-//     consecutive words' x values as one float4, and scaled so that code j of a word is used in
-//     place, masked but not shifted: (word & (MASK << BITS * j)) is q * 2^(BITS * j), exact as a
-//     float, and its product with the scaled x is q * x exactly (both scalings are powers of two);
+//   xs[j][w] = x[w * PER_WORD + j] * 2^(CODE_X_EXP - code_offset(j)), transposed, so that the
+//     loop reads four consecutive words' x values as one float4, and scaled for the codes used in
+//     place (above);
 //   xsum[v] (after the cols values) = the sum of x over vector v's 4 * PER_WORD columns, which
 //     every row's group bias multiplies: summed once per block instead of once per row, in the
 //     order the loop used to sum it.
@@ -37,7 +63,7 @@ __device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, 
 #pragma unroll
         for (int j = 0; j < PER_WORD; ++j) {
             sx += (f[0][j] + f[1][j]) + (f[2][j] + f[3][j]);
-            const float scale = __int_as_float((127 - BITS * j) << 23);
+            const float scale = __int_as_float((127 + CODE_X_EXP - code_offset<BITS>(j)) << 23);
 #pragma unroll
             for (int k = 0; k < 4; ++k) xs[j * words + 4 * v + k] = f[k][j] * scale;
         }
@@ -129,15 +155,16 @@ struct QRows {
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const uint4 c = q[r][u];
+                const uint4 shifted = make_uint4(c.x >> 8, c.y >> 8, c.z >> 8, c.w >> 8);
                 float dot = 0.f;
 #pragma unroll
                 for (int j = 0; j < PER_WORD; ++j) {
-                    const u32 m = MASK << (BITS * j);
-                    dot = fmaf((float)(c.x & m), xv[j].x, dot);
-                    dot = fmaf((float)(c.y & m), xv[j].y, dot);
-                    dot = fmaf((float)(c.z & m), xv[j].z, dot);
-                    dot = fmaf((float)(c.w & m), xv[j].w, dot);
+                    dot = fmaf(code_value<BITS>(c.x, shifted.x, j), xv[j].x, dot);
+                    dot = fmaf(code_value<BITS>(c.y, shifted.y, j), xv[j].y, dot);
+                    dot = fmaf(code_value<BITS>(c.z, shifted.z, j), xv[j].z, dot);
+                    dot = fmaf(code_value<BITS>(c.w, shifted.w, j), xv[j].w, dot);
                 }
+                dot *= 0x1p80f;  // 2^CODE_DOT_EXP: exact
                 acc[r] = fmaf(bf16_to_f32(s[r][u]), dot, fmaf(bf16_to_f32(b[r][u]), sx, acc[r]));
             }
         }
