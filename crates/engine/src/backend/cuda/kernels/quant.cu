@@ -141,45 +141,64 @@ struct QRows {
         }
     }
 
-    // x staged by stage_x: scaled per code position, and summed per vector after the cols values.
-    __device__ __forceinline__ void accumulate(int base, const float* xs, float acc[R]) const {
-        const float* xsum = xs + words * PER_WORD;
+    // Vector v's staged x values (stage_x: scaled per code position) and their sum.
+    __device__ __forceinline__ void read_x(const float* xs, int v, float4 (&xv)[PER_WORD], float& sx) const {
+#pragma unroll
+        for (int j = 0; j < PER_WORD; ++j) xv[j] = reinterpret_cast<const float4*>(xs + j * words)[v];
+        sx = xs[words * PER_WORD + v];
+    }
+
+    // Adds vector u of the loaded round to each row's sum.
+    __device__ __forceinline__ void add(int u, const float4 (&xv)[PER_WORD], float sx, float acc[R]) const {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const uint4 c = q[r][u];
+            const uint4 shifted = make_uint4(c.x >> 8, c.y >> 8, c.z >> 8, c.w >> 8);
+            float dot = 0.f;
+#pragma unroll
+            for (int j = 0; j < PER_WORD; ++j) {
+                dot = fmaf(code_value<BITS>(c.x, shifted.x, j), xv[j].x, dot);
+                dot = fmaf(code_value<BITS>(c.y, shifted.y, j), xv[j].y, dot);
+                dot = fmaf(code_value<BITS>(c.z, shifted.z, j), xv[j].z, dot);
+                dot = fmaf(code_value<BITS>(c.w, shifted.w, j), xv[j].w, dot);
+            }
+            dot *= 0x1p80f;  // 2^CODE_DOT_EXP: exact
+            acc[r] = fmaf(bf16_to_f32(s[r][u]), dot, fmaf(bf16_to_f32(b[r][u]), sx, acc[r]));
+        }
+    }
+
+    // The loaded round of vectors at `base`, added to each row's sum; with `o`, to o's rows' too
+    // (into oacc), from the same reads of x.
+    __device__ __forceinline__ void accumulate(int base, const float* xs, float acc[R], const QRows* o,
+                                               float* oacc) const {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int v = vec(base, u);
             if (v >= vecs) break;
             float4 xv[PER_WORD];
-#pragma unroll
-            for (int j = 0; j < PER_WORD; ++j) xv[j] = reinterpret_cast<const float4*>(xs + j * words)[v];
-            const float sx = xsum[v];
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const uint4 c = q[r][u];
-                const uint4 shifted = make_uint4(c.x >> 8, c.y >> 8, c.z >> 8, c.w >> 8);
-                float dot = 0.f;
-#pragma unroll
-                for (int j = 0; j < PER_WORD; ++j) {
-                    dot = fmaf(code_value<BITS>(c.x, shifted.x, j), xv[j].x, dot);
-                    dot = fmaf(code_value<BITS>(c.y, shifted.y, j), xv[j].y, dot);
-                    dot = fmaf(code_value<BITS>(c.z, shifted.z, j), xv[j].z, dot);
-                    dot = fmaf(code_value<BITS>(c.w, shifted.w, j), xv[j].w, dot);
-                }
-                dot *= 0x1p80f;  // 2^CODE_DOT_EXP: exact
-                acc[r] = fmaf(bf16_to_f32(s[r][u]), dot, fmaf(bf16_to_f32(b[r][u]), sx, acc[r]));
-            }
+            float sx;
+            read_x(xs, v, xv, sx);
+            add(u, xv, sx, acc);
+            if (o) o->add(u, xv, sx, oacc);
         }
     }
 
     // After load(0) and the staging of x: every vector of the rows, reduced over the lanes (the
-    // sums are valid in each group's first lane).
-    __device__ __forceinline__ void run(const float* xs, float acc[R]) {
-        accumulate(0, xs, acc);
+    // sums are valid in each group's first lane). With `o` (its load(0) done too), the rows of a
+    // second matrix over the same columns (an expert's up rows beside its gate rows) take their
+    // sums into oacc from the same reads of x.
+    __device__ __forceinline__ void run(const float* xs, float acc[R], QRows* o = nullptr, float* oacc = nullptr) {
+        accumulate(0, xs, acc, o, oacc);
         for (int base = LANES * U; base < vecs; base += LANES * U) {
             load(base);
-            accumulate(base, xs, acc);
+            if (o) o->load(base);
+            accumulate(base, xs, acc, o, oacc);
         }
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = lanes_sum<LANES>(acc[r]);
+        for (int r = 0; r < R; ++r) {
+            acc[r] = lanes_sum<LANES>(acc[r]);
+            if (o) oacc[r] = lanes_sum<LANES>(oacc[r]);
+        }
     }
 
     __device__ __forceinline__ bool writer(int r) const {
@@ -418,8 +437,7 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
     pdl_launch_dependents();  // only now: see "When the next kernel launches"
     if (warp_idle<R, LANES>(warp, rows)) return;
     float ag[R] = {}, au[R] = {};
-    gm.run(xs, ag);
-    um.run(xs, au);
+    gm.run(xs, ag, &um, au);
     const int stride = max(inter, inter_s);
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -473,8 +491,7 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
             next.u.load(0);
         }
         float ag[1] = {}, au[1] = {};
-        cur.g.run(xs, ag);
-        cur.u.run(xs, au);
+        cur.g.run(xs, ag, &cur.u, au);
         if (cur.g.writer(0)) act[(size_t)cur.p * stride + cur.r] = silu(ag[0]) * au[0];
         cur = next;
     }
