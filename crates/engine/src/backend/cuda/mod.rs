@@ -369,13 +369,10 @@ fn gdn_state_smem_bytes(d: usize) -> usize {
 }
 
 /// Dynamic shared memory of the decode attention kernel for head dim `d` and `ng` tiles of 8
-/// query heads (`attn_decode_smem_bytes`, kernels/attention.cu): the queries, the warps' score
-/// parts, and the stages of K (pitch d + 4) and V rows (pitch d + 8).
+/// query heads (`attn_decode_smem_bytes`, kernels/attention.cu): the warps' score parts, and two
+/// stages of K (pitch d + 4) and V rows (pitch d + 8).
 fn attn_decode_smem_bytes(d: usize, ng: usize) -> usize {
-    let stages = if d >= 512 { 2 } else { 3 };
-    4 * (8 * ng * (d + 4)
-        + attn_decode_warps(d) * ATTN_TILE * 8 * ng
-        + stages * ATTN_TILE * (2 * d + 12))
+    4 * (attn_decode_warps(d) * ATTN_TILE * 8 * ng + 2 * ATTN_TILE * (2 * d + 12))
 }
 
 pub struct CudaBackend {
@@ -1659,7 +1656,7 @@ impl CudaBackend {
         };
         let threads = 32 * attn_decode_warps(d) as u32;
         // As many blocks as the GPU holds at once, at most: a second wave would run the tail of
-        // the keys after the first (two blocks per SM for the 35B's 110 KiB). And 256 splits
+        // the keys after the first (two blocks per SM for the 35B's 70 KiB). And 256 splits
         // at most: the merge kernel keeps one weight per split in shared memory. The kernel
         // divides the keys it actually has among the splits.
         let per_sm = attention_partial

@@ -95,8 +95,9 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
 // On the tensor cores: the query group is the N = 8 side of m16n8k8 tf32 products (NG tiles of
 // 8 query heads, the last padded with zero queries), so that the block's warps read each K and V
 // value from shared memory once, not once per query head. Every operand is split in tf32 hi + lo
-// (mma_tf32x3), near f32 accuracy. The warps divide the head dims. Per tile of 16 keys
-// (adec_stages(d) - 1 tiles in flight, copied by cp.async):
+// (mma_tf32x3), near f32 accuracy. The warps divide the head dims; each keeps its part of Q^T's
+// fragments in registers, split once. Per tile of 16 keys (the next one in flight, copied by
+// cp.async; a third stage, 105 KiB a block at d = 256, was 2% slower at 32,768 keys, session 15):
 //   S^T [16 keys][heads]: each warp's product over its dims (A = K rows, B = Q^T) goes to shared
 //     memory, and every warp sums the adec_warps(d) parts in the same order (so each holds the same
 //     scores, maxima and sums, and no warp's results need merging at the end);
@@ -111,11 +112,10 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
 constexpr int ATTN_TILE = 16;
 // Warps a block: eight, each with 16 dims at least.
 __host__ __device__ constexpr int adec_warps(int d) { return d / 16 < 8 ? d / 16 : 8; }
-__host__ __device__ constexpr int adec_stages(int d) { return d >= 512 ? 2 : 3; }
-// Q [8 ng][d + 4], score parts [warps][16][8 ng], then the stages: K [16][d + 4], V [16][d + 8]
-// (pitches 4 and 8 mod 32 keep the fragment reads on 32 different banks).
+// Score parts [warps][16][8 ng], then two stages: K [16][d + 4], V [16][d + 8] (pitches 4 and 8
+// mod 32 keep the fragment reads on 32 different banks).
 __host__ __device__ constexpr int attn_decode_smem_bytes(int d, int ng) {
-    return 4 * (8 * ng * (d + 4) + adec_warps(d) * ATTN_TILE * 8 * ng + adec_stages(d) * ATTN_TILE * (2 * d + 12));
+    return 4 * (adec_warps(d) * ATTN_TILE * 8 * ng + 2 * ATTN_TILE * (2 * d + 12));
 }
 
 template <int ND, int NG>
@@ -124,13 +124,12 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
                                                        int heads, int kv_heads, const int* pos_ptr, int pos0) {
     constexpr int D = 32 * ND, H = 8 * NG, TILE = ATTN_TILE;
     constexpr int WARPS = adec_warps(D), DW = D / WARPS, KSTEPS = DW / 8, MTILES = DW / 16;
-    constexpr int QP = D + 4, KP = D + 4, VP = D + 8, STAGES = adec_stages(D);
+    constexpr int KP = D + 4, VP = D + 8, STAGES = 2;
     constexpr int STAGE = TILE * (KP + VP);
     extern __shared__ float4 attn_smem[];
     require_dynamic_smem(attn_decode_smem_bytes(D, NG));
-    float* qs = reinterpret_cast<float*>(attn_smem);  // [H][QP]
-    float* sp = qs + H * QP;                         // [WARPS][TILE][H]
-    float* stages = sp + WARPS * TILE * H;           // [STAGES][K [TILE][KP], V [TILE][VP]]
+    float* sp = reinterpret_cast<float*>(attn_smem);  // [WARPS][TILE][H]
+    float* stages = sp + WARPS * TILE * H;            // [STAGES][K [TILE][KP], V [TILE][VP]]
     const int group = heads / kv_heads;
     const int t = blockIdx.x / kv_heads, kvh = blockIdx.x % kv_heads, split = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -141,8 +140,7 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     const int start = split * chunk, end = min(start + chunk, len);
     const size_t row = (size_t)kv_heads * D;
     const int tiles_n = end > start ? (end - start + TILE - 1) / TILE : 0;
-    // Tile j's K and V rows into stage j % STAGES, 16 bytes a copy; one commit group per tile
-    // (an empty one past the last tile, so that the waits count alike).
+    // Tile j's K and V rows into stage j % STAGES, 16 bytes a copy; one commit group per tile.
     auto fetch = [&](int j) {
         if (j < tiles_n) {
             float* kt = stages + (j % STAGES) * STAGE;
@@ -161,12 +159,23 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
         }
         cp_async_commit();
     };
+    fetch(0);
+    const int d0 = warp * DW;  // this warp's first dim
+    // Q^T's fragments for this warp's dims (the score product's B: head 8n + g, dims
+    // d0 + 8 ks + c and + 4), scaled and split once for every tile.
+    u32 qh[NG][KSTEPS][2], ql[NG][KSTEPS][2];
+    {
+        const float scale = rsqrtf((float)D);
 #pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) fetch(j);
-    const float scale = rsqrtf((float)D);
-    for (int i = threadIdx.x; i < H * D; i += blockDim.x) {
-        const int h = i / D, col = i % D;
-        qs[h * QP + col] = h < group ? q[((size_t)t * heads + kvh * group + h) * D + col] * scale : 0.f;
+        for (int n = 0; n < NG; ++n) {
+            const int h = 8 * n + g;
+            const float* qrow = q + ((size_t)t * heads + kvh * group + min(h, group - 1)) * D + d0 + c;
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                tf32_split(h < group ? qrow[8 * ks] * scale : 0.f, qh[n][ks][0], ql[n][ks][0]);
+                tf32_split(h < group ? qrow[8 * ks + 4] * scale : 0.f, qh[n][ks][1], ql[n][ks][1]);
+            }
+        }
     }
     float o[NG][MTILES][4];
     float m[NG], l[NG];  // head n * 8 + g's running max and sum
@@ -179,12 +188,10 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
 #pragma unroll
             for (int i = 0; i < 4; ++i) o[n][mt][i] = 0.f;
     }
-    const int d0 = warp * DW;  // this warp's first dim
     for (int j = 0; j < tiles_n; ++j) {
-        if constexpr (STAGES == 3) cp_async_wait_one();
-        else cp_async_wait_all();
+        cp_async_wait_all();
         __syncthreads();  // tile j is in; every warp is done with tile j - 1 (its stage, the parts)
-        fetch(j + STAGES - 1);
+        fetch(j + 1);
         const float* kt = stages + (j % STAGES) * STAGE;
         const float* vt = kt + TILE * KP;
         // This warp's part of S^T = K Q^T.
@@ -198,11 +205,7 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
             u32 ah[4], al[4];
             tf32_split_a(ah, al, kt + d0 + 8 * ks, KP);
 #pragma unroll
-            for (int n = 0; n < NG; ++n) {
-                u32 bh[2], bl[2];
-                tf32_split_b_nk(bh, bl, qs + 8 * n * QP + d0 + 8 * ks, QP);
-                mma_tf32x3(s[n], ah, al, bh, bl);
-            }
+            for (int n = 0; n < NG; ++n) mma_tf32x3(s[n], ah, al, qh[n][ks], ql[n][ks]);
         }
         float* mine = sp + warp * TILE * H;
 #pragma unroll
