@@ -18,8 +18,8 @@
 // code: converting each code (I2FP) or offsetting it into a normal float (and subtracting the
 // offset) costs a third instruction, and the decode products are bound by instruction issue
 // (Nsight Compute: 66% of issue slots for the lm_head, docs/performance.md). The staged x may
-// not reach 2^59 (it would overflow; the products' inputs are normed activations), and a term
-// q * x under 2^-46 keeps its absolute error under 2^-70 instead of its relative one.
+// not reach 2^59, 5.8e17 (it would overflow; activations stay many orders of magnitude below),
+// and a term q * x under 2^-46 keeps its absolute error under 2^-70 instead of its relative one.
 #define CODE_DOT_EXP 80
 #define CODE_X_EXP (149 - CODE_DOT_EXP)
 
@@ -105,7 +105,6 @@ __device__ __forceinline__ bool warp_idle(int warp_in_grid, int rows) {
 template <int BITS, int R, int U, int LANES>
 struct QRows {
     static constexpr int PER_WORD = 32 / BITS;
-    static constexpr u32 MASK = (1u << BITS) - 1u;
     QMat w;
     int row0, nrows, words, groups, vecs;
     uint4 q[R][U];
@@ -162,7 +161,7 @@ struct QRows {
                 dot = fmaf(code_value<BITS>(c.z, shifted.z, j), xv[j].z, dot);
                 dot = fmaf(code_value<BITS>(c.w, shifted.w, j), xv[j].w, dot);
             }
-            dot *= 0x1p80f;  // 2^CODE_DOT_EXP: exact
+            dot *= __int_as_float((127 + CODE_DOT_EXP) << 23);  // exact
             acc[r] = fmaf(bf16_to_f32(s[r][u]), dot, fmaf(bf16_to_f32(b[r][u]), sx, acc[r]));
         }
     }
