@@ -53,6 +53,14 @@ struct QMatParam([u64; 3]);
 // SAFETY: three device pointers, laid out as the kernels' `QMat` struct.
 unsafe impl cudarc::driver::DeviceRepr for QMatParam {}
 
+/// A `RowNorm` kernel parameter, all zero: the input used as it is.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct NoRowNorm([u64; 3]);
+// SAFETY: 24 bytes, laid out as the kernels' `RowNorm` struct (a pointer, three 4-byte fields,
+// padding), zero meaning none.
+unsafe impl cudarc::driver::DeviceRepr for NoRowNorm {}
+
 /// y = w x on the GPU with one of the q4/q8 GEMV kernels (`GEMV_KERNELS`); returns y and the
 /// kernel time in ms (median of `reps` launches).
 fn gpu_gemv(
@@ -94,7 +102,13 @@ fn gpu_gemv(
         let stop = dev.ctx.new_event(timed).expect("event");
         start.record(s).expect("record");
         let mut b = s.launch_builder(&f);
-        b.arg(&qmat).arg(&xd).arg(&mut y).arg(&rows).arg(&cols);
+        let nrm = NoRowNorm([0; 3]);
+        b.arg(&qmat)
+            .arg(&xd)
+            .arg(&mut y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&nrm);
         // SAFETY: the argument list matches the kernel's signature, and the grid covers every
         // row (at the variant's rows per block, or walking them), with buffers of those sizes.
         unsafe { b.launch(cfg) }.expect("launch");
@@ -757,6 +771,171 @@ fn fused_projections_and_residual_norm_match() {
     }
 }
 
+/// A mixer's output projection into the residual with the next norm: [x + y @ p^T, the norm].
+fn projection_into_residual_on<B: Backend>(
+    b: &B,
+    p: &QWeight,
+    t: usize,
+    [y, x, g]: [&[f32]; 3],
+) -> [Vec<f32>; 2] {
+    let pq = b.upload_qmatrix(clone_q(p)).expect("p");
+    let mut residual = up(b, x, t, p.rows);
+    let normed = b
+        .qmatmul_add_rms_norm(
+            &up(b, y, t, p.cols),
+            &pq,
+            &mut residual,
+            &b.upload_vector(g).expect("gains"),
+            1e-6,
+        )
+        .expect("qmatmul_add_rms_norm");
+    [down(b, &residual), down(b, &normed)]
+}
+
+#[test]
+fn projection_into_the_residual_with_its_norm_matches() {
+    let Some((cpu, gpu)) = backends_or_skip("projection_into_the_residual_with_its_norm_matches")
+    else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(31);
+    // (rows, cols, bits): the 35B's output projections (one row per warp), at 8 bits too; rows
+    // of 16 vectors (four rows per half warp); tiny shapes with a partial block of rows. One
+    // token runs `gemv_add_norm`, three the product and the residual norm apart.
+    for (rows, cols, bits) in [
+        (2048, 4096, 4),
+        (2048, 4096, 8),
+        (2048, 512, 4),
+        (192, 256, 4),
+        (100, 128, 8),
+    ] {
+        let p = qweight(&mut rng, rows, cols, bits);
+        for t in [1, 3] {
+            let y = randn(&mut rng, t * cols, 1.0);
+            let x = randn(&mut rng, t * rows, 1.0);
+            let g = randn(&mut rng, rows, 1.0);
+            let got = projection_into_residual_on(&gpu, &p, t, [&y, &x, &g]);
+            let want = projection_into_residual_on(&cpu, &p, t, [&y, &x, &g]);
+            for (part, (a, b)) in ["x + y @ p", "its norm"].iter().zip(got.iter().zip(&want)) {
+                close(&format!("{part}, {rows}x{cols} q{bits} T={t}"), a, b);
+            }
+        }
+    }
+}
+
+/// One decode step's residual stream in miniature: x += y @ p (its norm lazy on CUDA), then every
+/// kind of product that reads the normed row (a matrix walked by the whole grid, a small one,
+/// the in-projections' batches, the router with its top-k), the MoE block mixed into the
+/// residual (its norm lazy again) and a product of that. Returns each result.
+#[allow(clippy::too_many_arguments)]
+fn lazy_norm_chain_on<B: Backend>(
+    b: &B,
+    ws: &[QWeight],
+    [moe_gate, moe_up, moe_down]: &[QWeight; 3],
+    [s_gate, s_up, s_down]: &[QWeight; 3],
+    [y, x, g, g2]: [&[f32]; 4],
+    k: usize,
+) -> Vec<Vec<f32>> {
+    let q = |w: &QWeight| b.upload_qmatrix(clone_q(w)).expect("upload");
+    let [p, lm, small, router, sgate] = [0, 1, 2, 3, 4].map(|i| q(&ws[i]));
+    let many: Vec<_> = ws[5..].iter().map(q).collect();
+    let hidden = ws[0].rows;
+    let mut residual = up(b, x, 1, hidden);
+    let (gains, gains2) = (
+        b.upload_vector(g).expect("g"),
+        b.upload_vector(g2).expect("g2"),
+    );
+    let h = b
+        .qmatmul_add_rms_norm(&up(b, y, 1, ws[0].cols), &p, &mut residual, &gains, 1e-6)
+        .expect("qmatmul_add_rms_norm");
+    let mut outs = vec![
+        down(b, &residual),
+        down(b, &b.qmatmul(&h, &lm).expect("lm")),
+        down(
+            b,
+            &b.qmatmul(&b.last_row(&h).expect("last row"), &small)
+                .expect("small"),
+        ),
+    ];
+    let refs: Vec<_> = many.iter().collect();
+    outs.extend(
+        b.qmatmul_many(&h, &refs)
+            .expect("many")
+            .iter()
+            .map(|t| down(b, t)),
+    );
+    let (rt, shared_logit) = b.route_tokens(&h, &router, &sgate, k, true).expect("route");
+    outs.push(down(b, &shared_logit));
+    let experts = [q(moe_gate), q(moe_up), q(moe_down)];
+    let shared = [q(s_gate), q(s_up), q(s_down)];
+    let h2 = b
+        .moe_block_add_rms_norm(
+            &mut residual,
+            &h,
+            &rt,
+            experts.each_ref(),
+            shared.each_ref(),
+            &shared_logit,
+            &gains2,
+            1e-6,
+        )
+        .expect("moe_block_add_rms_norm");
+    outs.push(down(b, &residual));
+    outs.push(down(b, &h2));
+    outs.push(down(
+        b,
+        &b.qmatmul(&h2, &small).expect("small after the MoE block"),
+    ));
+    outs
+}
+
+#[test]
+fn products_of_a_lazily_normed_row_match() {
+    let Some((cpu, gpu)) = backends_or_skip("products_of_a_lazily_normed_row_match") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(35);
+    // The 35B's shapes: the output projection, an lm_head-sized matrix (walked by the grid), a
+    // small 8-bit one, the router and shared-expert gate, the GDN in-projections; its experts.
+    let (hidden, e, k, inter) = (2048, 256, 8, 512);
+    let shapes = [
+        (hidden, 4096, 4),
+        (40_000, hidden, 4),
+        (100, hidden, 8),
+        (e, hidden, 8),
+        (1, hidden, 8),
+        (8192, hidden, 4),
+        (4096, hidden, 4),
+        (32, hidden, 4),
+        (32, hidden, 4),
+    ];
+    let ws: Vec<QWeight> = shapes
+        .iter()
+        .map(|&(r, c, bits)| qweight(&mut rng, r, c, bits))
+        .collect();
+    let experts = [
+        qweight(&mut rng, e * inter, hidden, 4),
+        qweight(&mut rng, e * inter, hidden, 4),
+        qweight(&mut rng, e * hidden, inter, 4),
+    ];
+    let shared = [
+        qweight(&mut rng, inter, hidden, 4),
+        qweight(&mut rng, inter, hidden, 4),
+        qweight(&mut rng, hidden, inter, 4),
+    ];
+    let y = randn(&mut rng, 4096, 1.0);
+    let x = randn(&mut rng, hidden, 1.0);
+    let g = randn(&mut rng, hidden, 1.0);
+    let g2 = randn(&mut rng, hidden, 1.0);
+    let args = [&y[..], &x[..], &g[..], &g2[..]];
+    let got = lazy_norm_chain_on(&gpu, &ws, &experts, &shared, args, k);
+    let want = lazy_norm_chain_on(&cpu, &ws, &experts, &shared, args, k);
+    assert_eq!(got.len(), want.len());
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        close(&format!("result {i} of the lazily normed chain"), a, b);
+    }
+}
+
 #[test]
 fn routing_breaks_ties_to_the_lowest_id() {
     let Some((cpu, gpu)) = backends_or_skip("routing_breaks_ties_to_the_lowest_id") else {
@@ -880,16 +1059,21 @@ fn moe_block_with_the_shared_expert_matches() {
         return;
     };
     let mut rng = StdRng::seed_from_u64(30);
-    // (experts, top_k, hidden, expert intermediate, shared intermediate): the 35B shape, and
-    // tiny-alt's, whose shared expert is narrower than its experts.
-    for (e, k, hidden, inter, inter_s) in [(256, 8, 2048, 512, 512), (8, 4, 192, 128, 64)] {
+    // (experts, top_k, hidden, expert intermediate, shared intermediate, bits): the 35B shape;
+    // tiny-alt's, whose shared expert is narrower than its experts; 8-bit experts with top 9, the
+    // most pairs one token's fused down-and-mix kernel holds (`moe_down_mix`).
+    for (e, k, hidden, inter, inter_s, bits) in [
+        (256, 8, 2048, 512, 512, 4),
+        (8, 4, 192, 128, 64, 4),
+        (16, 9, 320, 256, 128, 8),
+    ] {
         let w = [
-            qweight(&mut rng, e * inter, hidden, 4),
-            qweight(&mut rng, e * inter, hidden, 4),
-            qweight(&mut rng, e * hidden, inter, 4),
-            qweight(&mut rng, inter_s, hidden, 4),
-            qweight(&mut rng, inter_s, hidden, 4),
-            qweight(&mut rng, hidden, inter_s, 4),
+            qweight(&mut rng, e * inter, hidden, bits),
+            qweight(&mut rng, e * inter, hidden, bits),
+            qweight(&mut rng, e * hidden, inter, bits),
+            qweight(&mut rng, inter_s, hidden, bits),
+            qweight(&mut rng, inter_s, hidden, bits),
+            qweight(&mut rng, hidden, inter_s, bits),
         ];
         for t in [1, 3, 100] {
             let logits = randn(&mut rng, t * e, 3.0);
@@ -905,7 +1089,7 @@ fn moe_block_with_the_shared_expert_matches() {
                 .zip(g.iter().zip(&c))
             {
                 close(
-                    &format!("{part} E={e} k={k} inter {inter} shared {inter_s} T={t}"),
+                    &format!("{part} E={e} k={k} inter {inter} shared {inter_s} q{bits} T={t}"),
                     g,
                     c,
                 );

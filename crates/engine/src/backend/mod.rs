@@ -122,6 +122,19 @@ pub trait Backend: Send + Sync + 'static {
         self.add_assign(x, y)?;
         self.rms_norm(x, w, eps)
     }
+    /// A mixer's output projection into the residual, fused with the next norm: `x += y @ p^T`,
+    /// then `rmsnorm(x) * w`.
+    fn qmatmul_add_rms_norm(
+        &self,
+        y: &Self::Tensor,
+        p: &Self::QMatrix,
+        x: &mut Self::Tensor,
+        w: &Self::Vector,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        let projected = self.qmatmul(y, p)?;
+        self.add_rms_norm(x, &projected, w, eps)
+    }
     /// `silu(g) * u`, elementwise.
     fn swiglu(&self, g: &Self::Tensor, u: &Self::Tensor) -> Result<Self::Tensor>;
     /// The last row of `x` (only the last prompt position needs logits).

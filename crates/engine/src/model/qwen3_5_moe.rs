@@ -216,16 +216,20 @@ impl<B: Backend> Qwen35Moe<B> {
         // next layer's input norm, or the final norm.
         let mut h = b.rms_norm(&x, &self.layers[0].input_norm, eps)?;
         for (i, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            let mixed = match (&layer.mixer, ls) {
-                (Mixer::Gdn(w), LayerState::Gdn(s)) => self.gdn(b, w, &h, s)?,
-                (Mixer::Attn(w), LayerState::Attn(c)) => self.attention(b, w, &h, c, pos)?,
+            // The mixer's output before its output projection, and that projection.
+            let (mixed, out_proj) = match (&layer.mixer, ls) {
+                (Mixer::Gdn(w), LayerState::Gdn(s)) => (self.gdn(b, w, &h, s)?, &w.out_proj),
+                (Mixer::Attn(w), LayerState::Attn(c)) => {
+                    (self.attention(b, w, &h, c, pos)?, &w.o_proj)
+                }
                 _ => {
                     return Err(Error::Backend(
                         "decode state does not match the layer types".into(),
                     ));
                 }
             };
-            let h_post = b.add_rms_norm(&mut x, &mixed, &layer.post_norm, eps)?;
+            // x += mixed @ out_proj^T; h_post = rmsnorm(x) * post_norm
+            let h_post = b.qmatmul_add_rms_norm(&mixed, out_proj, &mut x, &layer.post_norm, eps)?;
             let next_norm = self
                 .layers
                 .get(i + 1)
@@ -242,6 +246,8 @@ impl<B: Backend> Qwen35Moe<B> {
         b.qmatmul(&h, &self.lm_head).map(Some)
     }
 
+    /// The Gated DeltaNet mixer on `h`, up to its output projection (`forward` adds that to
+    /// the residual with the next norm).
     fn gdn(
         &self,
         b: &B,
@@ -256,10 +262,10 @@ impl<B: Backend> Qwen35Moe<B> {
         )?)?;
         let qkv = b.conv1d_silu(&qkv, &w.conv, s, sh)?;
         let y = b.gdn_recurrence(&qkv, &a, &beta_logit, &w.a_log, &w.dt_bias, s, sh)?;
-        let y = b.gated_rms_norm(&y, &z, &w.norm, sh.value_dim, self.cfg.rms_norm_eps)?;
-        b.qmatmul(&y, &w.out_proj)
+        b.gated_rms_norm(&y, &z, &w.norm, sh.value_dim, self.cfg.rms_norm_eps)
     }
 
+    /// The gated attention mixer on `h`, up to its output projection (as `gdn`).
     fn attention(
         &self,
         b: &B,
@@ -274,8 +280,7 @@ impl<B: Backend> Qwen35Moe<B> {
         // q, k = rope(head_rms_norm(q)), rope(head_rms_norm(k)); k and v appended to the cache.
         let (q, gate) =
             b.attn_prep(&q_gate, &k, &v, [&w.q_norm, &w.k_norm], cache, sh, pos, eps)?;
-        let o = b.attention_gated(&q, &gate, cache, sh, pos)?;
-        b.qmatmul(&o, &w.o_proj)
+        b.attention_gated(&q, &gate, cache, sh, pos)
     }
 
     /// The MoE block on `h` added to the residual `x`, and the next norm (gains `norm`) of it.

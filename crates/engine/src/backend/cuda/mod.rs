@@ -9,8 +9,8 @@
 pub mod device;
 pub mod nvrtc;
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
     CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
@@ -26,12 +26,13 @@ use crate::checkpoint::QWeight;
 use crate::error::{Error, Result};
 use crate::model::state::{DecodeState, LayerState};
 
-/// Device memory of one op's result: owned (back to the pool when dropped), or a slice of the
-/// decode-step arena, which lives as long as the recorded step that wrote it.
+/// Device memory of one op's result: owned (back to the pool when the last clone is dropped), or
+/// a slice of the decode-step arena, which lives as long as the recorded step that wrote it.
+#[derive(Clone)]
 pub struct DevBuf<T> {
     ptr: u64,
     len: usize,
-    _owned: Option<CudaSlice<T>>,
+    _owned: Option<Arc<CudaSlice<T>>>,
 }
 
 impl<T> DevBuf<T> {
@@ -41,17 +42,86 @@ impl<T> DevBuf<T> {
         DevBuf {
             ptr,
             len,
-            _owned: Some(slice),
+            _owned: Some(Arc::new(slice)),
         }
     }
 }
 
 /// A row-major `[rows, cols]` f32 activation in device memory.
 pub struct CudaTensor {
+    /// Empty (a null address) while `lazy` is set.
     pub buf: DevBuf<f32>,
     pub rows: usize,
     pub cols: usize,
+    /// Set for one token's row normed lazily: see `LazyNorm`.
+    lazy: Option<LazyNorm>,
 }
+
+/// One token's residual row x whose next norm, rmsnorm(x) * gains, is left to the products that
+/// read it: the kernel that wrote x (the residual add after a mixer, `qmatmul_add_rms_norm`, or
+/// after the MoE block, `moe_block_add_rms_norm`) also wrote x * gains (`input`) and the sum of
+/// squares of x as one partial sum per block; the matrix-vector kernels take `input` with a
+/// `RowNorm` (kernels/quant.cu) and scale their sums by the norm. This saves a norm launch after
+/// every residual add of a decode step. Every other op norms x first (`CudaBackend::plain`). The
+/// tensor's own `buf` is empty, so that an op reading it without either would fault rather than
+/// read the row unnormed.
+#[derive(Clone)]
+struct LazyNorm {
+    x: DevBuf<f32>,
+    input: DevBuf<f32>,
+    partials: DevBuf<f32>,
+    gains: u64,
+    eps: f32,
+}
+
+/// What a residual add with its norm left lazy writes besides the residual: x * gains and one
+/// sum of squares per block (`LazyNorm`).
+struct LazyParts {
+    input: CudaTensor,
+    partials: DevBuf<f32>,
+}
+
+impl CudaTensor {
+    fn new(buf: DevBuf<f32>, rows: usize, cols: usize) -> CudaTensor {
+        CudaTensor {
+            buf,
+            rows,
+            cols,
+            lazy: None,
+        }
+    }
+}
+
+/// A tensor as plain values: borrowed, or the norm of a lazily normed row.
+enum Plain<'a> {
+    Borrowed(&'a CudaTensor),
+    Normed(CudaTensor),
+}
+
+impl std::ops::Deref for Plain<'_> {
+    type Target = CudaTensor;
+    fn deref(&self) -> &CudaTensor {
+        match self {
+            Plain::Borrowed(t) => t,
+            Plain::Normed(t) => t,
+        }
+    }
+}
+
+/// A `RowNorm` kernel parameter (kernels/quant.cu): a lazily normed row's partial sums of
+/// squares, their count, the row's length and epsilon; all zero for a plain input.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RowNormArg {
+    partials: u64,
+    count: i32,
+    n: i32,
+    eps: f32,
+    _pad: u32,
+}
+
+// SAFETY: repr(C), a u64 then four 4-byte fields, no padding.
+unsafe impl bytemuck::NoUninit for RowNormArg {}
 
 /// A quantized matrix (or expert stack) in device memory, in the checkpoint's layout.
 pub struct CudaQMatrix {
@@ -122,6 +192,9 @@ struct Kernels {
     /// `[bits][variant]`, the variants of `GEMV_VARIANTS` (kernels/quant.cu, `GEMV_SHAPES`).
     gemv: [[CudaFunction; 3]; 2],
     gemv_batch: [[CudaFunction; 3]; 2],
+    /// `[bits][variant]`: one token's product added to the residual, its norm left lazy
+    /// (`gemv_add_sumsq`).
+    gemv_add_sumsq: [[CudaFunction; 3]; 2],
     /// `[bits]`: the matrix-vector product for matrices of many rows (a grid of two blocks per
     /// SM walking the rows).
     gemv_stream: [CudaFunction; 2],
@@ -137,6 +210,8 @@ struct Kernels {
     /// `[bits][variant]` as `gemv`.
     moe_gate_up: [[CudaFunction; 3]; 2],
     moe_down: [[CudaFunction; 3]; 2],
+    /// `[bits]`: one token's expert down products mixed into the residual, its norm left lazy.
+    moe_down_mix: [CudaFunction; 2],
     moe_group: CudaFunction,
     split_bf16: CudaFunction,
     swiglu_split_bf16: CudaFunction,
@@ -270,6 +345,7 @@ impl Kernels {
         Ok(Kernels {
             gemv: variants("gemv")?,
             gemv_batch: variants("gemv_batch")?,
+            gemv_add_sumsq: variants("gemv_add_sumsq")?,
             gemv_stream: pair("gemv_stream")?,
             gemv_batch_stream: pair("gemv_batch_stream")?,
             moe_gate_up_stream: pair("moe_gate_up_stream")?,
@@ -278,6 +354,7 @@ impl Kernels {
             embed: pair("embed")?,
             moe_gate_up: variants("moe_gate_up")?,
             moe_down: variants("moe_down")?,
+            moe_down_mix: pair("moe_down_mix")?,
             moe_group: f("qmma", "moe_group")?,
             split_bf16: f("qmma", "split_bf16")?,
             swiglu_split_bf16: f("qmma", "swiglu_split_bf16")?,
@@ -386,6 +463,9 @@ pub struct CudaBackend {
     params: CudaSlice<i32>,
     /// The ticket counter of `router_topk` (zero between launches: the last block resets it).
     route_done: CudaSlice<u32>,
+    /// `moe_down_mix`'s ticket counters, one per block of rows (zero between launches, as
+    /// `route_done`).
+    mix_counters: CudaSlice<u32>,
     step: Mutex<StepState>,
     /// Set while a decode step is being recorded: temporaries come from the arena, and the
     /// position-dependent kernels read `params`.
@@ -469,6 +549,20 @@ macro_rules! launch {
             )
         }
     }};
+}
+
+/// Rebinds each tensor argument as plain values (`CudaBackend::plain`): `plain!(self, x, y)`;
+/// `plain!(self, mut x)` norms a lazily normed residual in place.
+macro_rules! plain {
+    ($be:expr, mut $t:ident) => {
+        $be.plain_mut($t)?;
+    };
+    ($be:expr, $($t:ident),+) => {
+        $(
+            let $t = $be.plain($t)?;
+            let $t: &CudaTensor = &$t;
+        )+
+    };
 }
 
 /// A kernel argument passed by value, as the bytes the kernel reads.
@@ -701,6 +795,42 @@ const STREAM_MIN_BLOCKS_PER_SM: usize = 8;
 /// Tokens from which the dense products run on the tensor cores (below, each token streams the
 /// weights through the matrix-vector kernels, as decode does).
 const MMA_MIN_TOKENS: usize = 8;
+/// One token's MoE outputs mixed into the residual by `moe_down_mix` (kernels/quant.cu): rows
+/// per block (`MIX_ROWS`), the pairs it mixes at most (`MIX_MAX_PAIRS`), and the blocks of rows
+/// its ticket counters serve.
+const MIX_ROWS_PER_BLOCK: usize = 64;
+const MIX_MAX_PAIRS: usize = 10;
+const MIX_COUNTERS: usize = 1024;
+const _: () = assert!(MIX_ROWS_PER_BLOCK == GEMV_SHAPES[2].rows_per_block);
+
+/// Whether `moe_down_mix` takes a token's down products: rows of at most 16 vectors of codes
+/// (moe_down's h16 variant), fewer routed experts than its slots, and a counter for every block
+/// of rows.
+fn mix_fits(stride: usize, bits: u32, top_k: usize, hidden: usize) -> bool {
+    stride * bits as usize / 128 <= 16
+        && top_k < MIX_MAX_PAIRS
+        && hidden.div_ceil(MIX_ROWS_PER_BLOCK) <= MIX_COUNTERS
+}
+
+/// Where `moe_down_mix` puts one token's MoE output: x_out = x_in + the output, x_out * gains
+/// into `input` and the sums of squares of its blocks of rows into `partials` (device
+/// addresses; see `LazyNorm`).
+#[derive(Clone, Copy)]
+struct MixInto {
+    x_in: u64,
+    x_out: u64,
+    gains: u64,
+    input: u64,
+    partials: u64,
+}
+
+/// The expert products: every pair's output row (and the shared gate logits' address, 0 without
+/// a shared expert), or nothing left to do when `moe_down_mix` took them.
+enum MoeOut {
+    Rows(DevBuf<f32>, u64),
+    Mixed,
+}
+
 /// Tokens from which the experts run grouped by expert on the tensor cores (below, each pair is
 /// a matrix-vector product: with few tokens an expert rarely serves more than one).
 const GROUPED_MOE_MIN_TOKENS: usize = 32;
@@ -751,6 +881,10 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<u32>(1)
             .map_err(driver("allocation"))?;
+        let mix_counters = dev
+            .stream
+            .alloc_zeros::<u32>(MIX_COUNTERS)
+            .map_err(driver("allocation"))?;
         let sms = dev
             .ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -766,6 +900,7 @@ impl CudaBackend {
             sms,
             params,
             route_done,
+            mix_counters,
             step: Mutex::new(StepState::default()),
             capturing: AtomicBool::new(false),
             bucket: AtomicUsize::new(0),
@@ -909,8 +1044,22 @@ impl CudaBackend {
         experts: [&CudaQMatrix; 3],
         shared: Option<([&CudaQMatrix; 3], &CudaTensor)>,
     ) -> Result<CudaTensor> {
-        let (y, logit) = self.moe_products(x, rt, experts, shared)?;
-        let (t, hidden) = (x.rows, x.cols);
+        let MoeOut::Rows(y, logit) = self.moe_products(x, rt, experts, shared, None)? else {
+            return Err(Error::Backend("moe: the products were mixed".into()));
+        };
+        self.combine(&y, logit, rt, x.rows, x.cols)
+    }
+
+    /// The pairs' outputs `y` mixed by the routing weights (and the shared expert's gate, at
+    /// `logit` when not 0) into `[t, hidden]`.
+    fn combine(
+        &self,
+        y: &DevBuf<f32>,
+        logit: u64,
+        rt: &CudaRouting,
+        t: usize,
+        hidden: usize,
+    ) -> Result<CudaTensor> {
         let out = self.tensor(t, hidden)?;
         if t > 0 {
             launch!(
@@ -933,14 +1082,16 @@ impl CudaBackend {
 
     /// The expert products of the MoE block: y [pairs (+ tokens), hidden] holds the routed
     /// pairs' outputs, then the shared expert's; returned with the shared gate logits' address
-    /// (0 without a shared expert).
+    /// (0 without a shared expert). With `mix`, one token whose down rows `moe_down_mix` takes
+    /// has its outputs mixed into the residual and normed there instead (`MoeOut::Mixed`).
     fn moe_products(
         &self,
         x: &CudaTensor,
         rt: &CudaRouting,
         [gate, up, down]: [&CudaQMatrix; 3],
         shared: Option<([&CudaQMatrix; 3], &CudaTensor)>,
-    ) -> Result<(DevBuf<f32>, u64)> {
+        mix: Option<MixInto>,
+    ) -> Result<MoeOut> {
         let (t, hidden) = (x.rows, x.cols);
         let e = rt.num_experts;
         let inter = gate.rows / e.max(1);
@@ -990,11 +1141,11 @@ impl CudaBackend {
         let pairs = t * rt.top_k;
         let with_shared = shared.is_some();
         let all = pairs + if with_shared { t } else { 0 };
-        let y = self.tmp::<f32>(all * hidden)?;
-        if t == 0 {
-            return Ok((y, logit));
-        }
         let stride = inter.max(inter_s);
+        let mix = mix.filter(|_| t == 1 && mix_fits(stride, gate.bits, rt.top_k, hidden));
+        if t == 0 {
+            return Ok(MoeOut::Rows(self.tmp::<f32>(0)?, logit));
+        }
         let shared_bytes = |rows, cols| {
             if with_shared {
                 t as u64 * qbytes(rows, cols, gate.bits)
@@ -1003,6 +1154,7 @@ impl CudaBackend {
             }
         };
         if t >= GROUPED_MOE_MIN_TOKENS {
+            plain!(self, x);
             let dims = MoeDims {
                 tokens: t,
                 hidden,
@@ -1015,68 +1167,72 @@ impl CudaBackend {
                 with_shared,
                 bits: b,
             };
+            let y = self.tmp::<f32>(all * hidden)?;
             self.moe_grouped(&dims, x, rt, [gate, up, down], [sgate, sup, sdown], &y)?;
+            return Ok(MoeOut::Rows(y, logit));
+        }
+        let (x_ptr, nrm) = self.row_input(x);
+        let act = self.tmp::<f32>(all * stride)?;
+        // A decode step's 9 expert products at four rows per warp fill about one block per
+        // SM; at one row per warp, four times as many blocks keep more loads in flight.
+        let GemvShape {
+            variant,
+            rows_per_block,
+        } = self.gemv_variant(stride * all, hidden, gate.bits);
+        let gate_up_bytes =
+            2 * (pairs as u64 * qbytes(inter, hidden, gate.bits) + shared_bytes(inter_s, hidden));
+        // One token: every warp of two blocks per SM walks the pairs' rows; more, a block
+        // per (rows, pair). Both kernels take the same arguments (kernels/quant.cu).
+        let (f, label, grid) = if t == 1 {
+            (
+                &self.k.moe_gate_up_stream[b],
+                "moe_gate_up_stream[b]",
+                ((2 * self.sms) as u32, 1),
+            )
         } else {
-            let act = self.tmp::<f32>(all * stride)?;
-            // A decode step's 9 expert products at four rows per warp fill about one block per
-            // SM; at one row per warp, four times as many blocks keep more loads in flight.
-            let GemvShape {
-                variant,
-                rows_per_block,
-            } = self.gemv_variant(stride * all, hidden, gate.bits);
-            let gate_up_bytes = 2
-                * (pairs as u64 * qbytes(inter, hidden, gate.bits) + shared_bytes(inter_s, hidden));
-            // One token: every warp of two blocks per SM walks the pairs' rows; more, a block
-            // per (rows, pair). Both kernels take the same arguments (kernels/quant.cu).
-            let (f, label, grid) = if t == 1 {
-                (
-                    &self.k.moe_gate_up_stream[b],
-                    "moe_gate_up_stream[b]",
-                    ((2 * self.sms) as u32, 1),
-                )
-            } else {
-                (
-                    &self.k.moe_gate_up[b][variant],
-                    "moe_gate_up[b][variant]",
-                    (stride.div_ceil(rows_per_block) as u32, all as u32),
-                )
-            };
-            let args: [&dyn KernelArg; 12] = [
-                &self.qarg(gate),
-                &self.qarg(up),
-                &sgate,
-                &sup,
-                &self.ptr(&rt.ids),
-                &self.ptr(&x.buf),
-                &act.ptr,
-                &(rt.top_k as i32),
-                &(pairs as i32),
-                &(inter as i32),
-                &(inter_s as i32),
-                &(hidden as i32),
-            ];
-            // SAFETY: both kernels take (QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
-            // const float* x, float* act, int top_k, int pairs, int inter, int inter_s,
-            // int hidden) and gemv_smem_bytes(hidden) of shared memory; act holds all pairs'
-            // rows of `stride`.
-            unsafe {
-                self.launch(
-                    f,
-                    label,
-                    cfg(grid, 256, gemv_smem_bytes(hidden)),
-                    &args,
-                    gate_up_bytes,
-                )
-            }?;
-            let GemvShape {
-                variant,
-                rows_per_block,
-            } = self.gemv_variant(hidden * all, stride, down.bits);
+            (
+                &self.k.moe_gate_up[b][variant],
+                "moe_gate_up[b][variant]",
+                (stride.div_ceil(rows_per_block) as u32, all as u32),
+            )
+        };
+        let args: [&dyn KernelArg; 13] = [
+            &self.qarg(gate),
+            &self.qarg(up),
+            &sgate,
+            &sup,
+            &self.ptr(&rt.ids),
+            &x_ptr,
+            &act.ptr,
+            &(rt.top_k as i32),
+            &(pairs as i32),
+            &(inter as i32),
+            &(inter_s as i32),
+            &(hidden as i32),
+            &nrm,
+        ];
+        // SAFETY: both kernels take (QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
+        // const float* x, float* act, int top_k, int pairs, int inter, int inter_s,
+        // int hidden, RowNorm nrm) and gemv_smem_bytes(hidden) of shared memory; act holds all
+        // pairs' rows of `stride`.
+        unsafe {
+            self.launch(
+                f,
+                label,
+                cfg(grid, 256, gemv_smem_bytes(hidden)),
+                &args,
+                gate_up_bytes,
+            )
+        }?;
+        let down_bytes =
+            pairs as u64 * qbytes(hidden, inter, down.bits) + shared_bytes(hidden, inter_s);
+        let y = self.tmp::<f32>(all * hidden)?;
+        if let Some(m) = mix {
             launch!(
                 self,
-                self.k.moe_down[b][variant],
+                self.k.moe_down_mix[b],
                 cfg(
-                    (hidden.div_ceil(rows_per_block) as u32, all as u32),
+                    (hidden.div_ceil(MIX_ROWS_PER_BLOCK) as u32, all as u32),
                     256,
                     gemv_smem_bytes(stride)
                 ),
@@ -1084,18 +1240,51 @@ impl CudaBackend {
                     self.qarg(down),
                     sdown,
                     self.ptr(&rt.ids),
+                    self.ptr(&rt.weights),
+                    logit,
                     act.ptr,
                     y.ptr,
-                    pairs as i32,
+                    m.x_in,
+                    m.x_out,
+                    m.gains,
+                    m.input,
+                    m.partials,
+                    self.ptr(&self.mix_counters),
+                    rt.top_k as i32,
                     inter as i32,
                     inter_s as i32,
                     hidden as i32
                 ],
-                bytes =
-                    pairs as u64 * qbytes(hidden, inter, down.bits) + shared_bytes(hidden, inter_s)
+                bytes = down_bytes
             )?;
+            return Ok(MoeOut::Mixed);
         }
-        Ok((y, logit))
+        let GemvShape {
+            variant,
+            rows_per_block,
+        } = self.gemv_variant(hidden * all, stride, down.bits);
+        launch!(
+            self,
+            self.k.moe_down[b][variant],
+            cfg(
+                (hidden.div_ceil(rows_per_block) as u32, all as u32),
+                256,
+                gemv_smem_bytes(stride)
+            ),
+            [
+                self.qarg(down),
+                sdown,
+                self.ptr(&rt.ids),
+                act.ptr,
+                y.ptr,
+                pairs as i32,
+                inter as i32,
+                inter_s as i32,
+                hidden as i32
+            ],
+            bytes = down_bytes
+        )?;
+        Ok(MoeOut::Rows(y, logit))
     }
 
     /// `rows x cols` f32 at `src` as the tensor-core products read it (kernels/qmma.cu,
@@ -1487,11 +1676,83 @@ impl CudaBackend {
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
-        Ok(CudaTensor {
-            buf: self.tmp(rows * cols)?,
-            rows,
-            cols,
-        })
+        Ok(CudaTensor::new(self.tmp(rows * cols)?, rows, cols))
+    }
+
+    /// `t` as plain values: a lazily normed row (`LazyNorm`) is normed now, into a new tensor.
+    fn plain<'a>(&self, t: &'a CudaTensor) -> Result<Plain<'a>> {
+        let Some(lazy) = &t.lazy else {
+            return Ok(Plain::Borrowed(t));
+        };
+        let out = self.tensor(t.rows, t.cols)?;
+        launch!(
+            self,
+            self.k.rms_norm,
+            cfg((t.rows as u32, 1), 256, 0),
+            [
+                lazy.x.ptr,
+                lazy.gains,
+                0u64,
+                self.ptr(&out.buf),
+                t.cols as i32,
+                lazy.eps
+            ]
+        )?;
+        Ok(Plain::Normed(out))
+    }
+
+    /// `plain` in place.
+    fn plain_mut(&self, t: &mut CudaTensor) -> Result<()> {
+        if let Plain::Normed(normed) = self.plain(t)? {
+            *t = normed;
+        }
+        Ok(())
+    }
+
+    /// The address a matrix-vector kernel reads `t` from, and its `RowNorm` (kernels/quant.cu):
+    /// a lazily normed row's x * gains and partial sums, or `t`'s values and none.
+    fn row_input(&self, t: &CudaTensor) -> (u64, RowNormArg) {
+        match &t.lazy {
+            None => (t.buf.ptr, RowNormArg::default()),
+            Some(lazy) => (
+                lazy.input.ptr,
+                RowNormArg {
+                    partials: lazy.partials.ptr,
+                    count: lazy.partials.len as i32,
+                    n: t.cols as i32,
+                    eps: lazy.eps,
+                    _pad: 0,
+                },
+            ),
+        }
+    }
+
+    /// One token's residual row `x` as the lazily normed row rmsnorm(x) * w, from what the
+    /// kernel that wrote x left: x * w (`input`) and the block sums of squares (`partials`).
+    fn lazy_norm(
+        &self,
+        x: &CudaTensor,
+        LazyParts { input, partials }: LazyParts,
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> CudaTensor {
+        let empty = DevBuf {
+            ptr: 0,
+            len: 0,
+            _owned: None,
+        };
+        CudaTensor {
+            buf: empty,
+            rows: 1,
+            cols: x.cols,
+            lazy: Some(LazyNorm {
+                x: x.buf.clone(),
+                input: input.buf,
+                partials,
+                gains: self.ptr(w),
+                eps,
+            }),
+        }
     }
 
     /// Copies `n` elements between device addresses (stream-ordered).
@@ -1835,14 +2096,15 @@ impl Backend for CudaBackend {
                 data.len()
             )));
         }
-        Ok(CudaTensor {
-            buf: DevBuf::owned(self.upload(data)?, data.len(), &self.dev.stream),
+        Ok(CudaTensor::new(
+            DevBuf::owned(self.upload(data)?, data.len(), &self.dev.stream),
             rows,
             cols,
-        })
+        ))
     }
 
     fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
+        plain!(self, t);
         self.download_buf(&t.buf)
     }
 
@@ -1946,10 +2208,13 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaSlice<f32>, eps: f32) -> Result<CudaTensor> {
+        plain!(self, x);
         self.norm_rows(x, w, None, x.cols, eps)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        plain!(self, mut x);
+        plain!(self, y);
         same_shape(x, y, "add")?;
         let n = x.rows * x.cols;
         launch!(
@@ -1965,10 +2230,12 @@ impl Backend for CudaBackend {
         // run on the tensor cores, each tile of codes serving up to 64 tokens (`qbatch` checks
         // the matrix there).
         if x.rows >= MMA_MIN_TOKENS {
+            plain!(self, x);
             let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
             return products(self.qmma(&split, x.cols, &[w], x.rows)?).map(|[out]| out);
         }
         let b = self.check_q(x.cols, w)?;
+        let (x_ptr, nrm) = self.row_input(x);
         let out = self.tensor(x.rows, w.rows)?;
         if x.rows == 0 || w.rows == 0 {
             return Ok(out);
@@ -1987,15 +2254,17 @@ impl Backend for CudaBackend {
                 w.rows.div_ceil(shape.rows_per_block),
             )
         };
-        let args: [&dyn KernelArg; 5] = [
+        let args: [&dyn KernelArg; 6] = [
             &self.qarg(w),
-            &self.ptr(&x.buf),
+            &x_ptr,
             &self.ptr(&out.buf),
             &(w.rows as i32),
             &(w.cols as i32),
+            &nrm,
         ];
-        // SAFETY: both kernels take (QMat w, const float* x, float* y, int rows, int cols),
-        // one token per blockIdx.y, and cols * 4 bytes of shared memory (kernels/quant.cu).
+        // SAFETY: both kernels take (QMat w, const float* x, float* y, int rows, int cols,
+        // RowNorm nrm), one token per blockIdx.y, and gemv_smem_bytes(cols) of shared memory
+        // (kernels/quant.cu).
         unsafe {
             self.launch(
                 f,
@@ -2010,6 +2279,7 @@ impl Backend for CudaBackend {
 
     fn qmatmul_many(&self, x: &CudaTensor, ws: &[&CudaQMatrix]) -> Result<Vec<CudaTensor>> {
         if x.rows >= MMA_MIN_TOKENS {
+            plain!(self, x);
             // One split of the input serves every product; consecutive matrices of one bit
             // width share a launch (at most four per launch).
             let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
@@ -2024,6 +2294,7 @@ impl Backend for CudaBackend {
         if x.rows != 1 {
             return ws.iter().map(|w| self.qmatmul(x, w)).collect();
         }
+        let (x_ptr, nrm) = self.row_input(x);
         let mut outs = Vec::with_capacity(ws.len());
         // Consecutive matrices of one bit width share a launch (at most four per launch).
         for group in ws.chunk_by(|a, b| a.bits == b.bits) {
@@ -2049,7 +2320,7 @@ impl Backend for CudaBackend {
                         self,
                         self.k.gemv_batch_stream[b],
                         cfg(((2 * self.sms) as u32, 1), 256, gemv_smem_bytes(x.cols)),
-                        [batch, self.ptr(&x.buf), x.cols as i32],
+                        [batch, x_ptr, x.cols as i32, nrm],
                         bytes = bytes
                     )?;
                 } else if blocks > 0 {
@@ -2057,7 +2328,7 @@ impl Backend for CudaBackend {
                         self,
                         self.k.gemv_batch[b][variant],
                         cfg((blocks as u32, 1), 256, gemv_smem_bytes(x.cols)),
-                        [batch, self.ptr(&x.buf), x.cols as i32],
+                        [batch, x_ptr, x.cols as i32, nrm],
                         bytes = bytes
                     )?;
                 }
@@ -2073,6 +2344,8 @@ impl Backend for CudaBackend {
         w: &CudaSlice<f32>,
         eps: f32,
     ) -> Result<CudaTensor> {
+        plain!(self, mut x);
+        plain!(self, y);
         same_shape(x, y, "add_rms_norm")?;
         check_row_norm(x.cols, w)?;
         let out = self.tensor(x.rows, x.cols)?;
@@ -2095,7 +2368,63 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn qmatmul_add_rms_norm(
+        &self,
+        y: &CudaTensor,
+        p: &CudaQMatrix,
+        x: &mut CudaTensor,
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        plain!(self, y);
+        plain!(self, mut x);
+        // One token: the product and the residual add in one launch (`gemv_add_sumsq`,
+        // kernels/quant.cu), the norm left lazy; unless the matrix is one that `qmatmul` walks
+        // with a grid of two blocks per SM.
+        let many_rows =
+            p.rows.div_ceil(GEMV_SHAPES[0].rows_per_block) >= STREAM_MIN_BLOCKS_PER_SM * self.sms;
+        if y.rows != 1 || many_rows {
+            let projected = self.qmatmul(y, p)?;
+            return self.add_rms_norm(x, &projected, w, eps);
+        }
+        let b = self.check_q(y.cols, p)?;
+        if x.rows != 1 || x.cols != p.rows {
+            return Err(Error::Backend(format!(
+                "qmatmul_add_rms_norm: a {}x{} product into a [{}, {}] residual",
+                p.rows, p.cols, x.rows, x.cols
+            )));
+        }
+        check_row_norm(x.cols, w)?;
+        let shape = self.gemv_variant(p.rows, p.cols, p.bits);
+        let blocks = p.rows.div_ceil(shape.rows_per_block);
+        let sum = self.tensor(1, x.cols)?;
+        let parts = LazyParts {
+            input: self.tensor(1, x.cols)?,
+            partials: self.tmp::<f32>(blocks)?,
+        };
+        launch!(
+            self,
+            self.k.gemv_add_sumsq[b][shape.variant],
+            cfg((blocks as u32, 1), 256, gemv_smem_bytes(p.cols)),
+            [
+                self.qarg(p),
+                self.ptr(&y.buf),
+                self.ptr(&x.buf),
+                self.ptr(&sum.buf),
+                self.ptr(w),
+                self.ptr(&parts.input.buf),
+                parts.partials.ptr,
+                p.rows as i32,
+                p.cols as i32
+            ],
+            bytes = qbytes(p.rows, p.cols, p.bits)
+        )?;
+        *x = sum;
+        Ok(self.lazy_norm(x, parts, w, eps))
+    }
+
     fn swiglu(&self, g: &CudaTensor, u: &CudaTensor) -> Result<CudaTensor> {
+        plain!(self, g, u);
         same_shape(g, u, "swiglu")?;
         let out = self.tensor(g.rows, g.cols)?;
         let n = g.rows * g.cols;
@@ -2114,6 +2443,16 @@ impl Backend for CudaBackend {
     }
 
     fn last_row(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        // One token's lazily normed row stays lazy (the lm_head's product takes it).
+        if let (1, Some(lazy)) = (x.rows, &x.lazy) {
+            return Ok(CudaTensor {
+                buf: x.buf.clone(),
+                rows: 1,
+                cols: x.cols,
+                lazy: Some(lazy.clone()),
+            });
+        }
+        plain!(self, x);
         let out = self.tensor(1, x.cols)?;
         let start = (x.rows.max(1) - 1) * x.cols;
         self.copy::<f32>(
@@ -2125,6 +2464,7 @@ impl Backend for CudaBackend {
     }
 
     fn argmax_rows(&self, x: &CudaTensor) -> Result<Vec<u32>> {
+        plain!(self, x);
         if x.rows == 0 {
             return Ok(Vec::new());
         }
@@ -2160,6 +2500,7 @@ impl Backend for CudaBackend {
         s: &mut CudaGdnState,
         sh: &GdnShape,
     ) -> Result<CudaTensor> {
+        plain!(self, x);
         let c = sh.conv_channels();
         if x.cols != c || !(2..=8).contains(&sh.conv_kernel) {
             return Err(Error::Backend(format!(
@@ -2204,6 +2545,7 @@ impl Backend for CudaBackend {
         s: &mut CudaGdnState,
         sh: &GdnShape,
     ) -> Result<CudaTensor> {
+        plain!(self, qkv, a, b);
         let (hk, hv, dk, dv) = (sh.key_heads, sh.value_heads, sh.key_dim, sh.value_dim);
         let variant = match dk {
             64 => 0,
@@ -2311,6 +2653,7 @@ impl Backend for CudaBackend {
         dim: usize,
         eps: f32,
     ) -> Result<CudaTensor> {
+        plain!(self, y, z);
         same_shape(y, z, "gated_rms_norm")?;
         self.norm_rows(y, w, Some(z), dim, eps)
     }
@@ -2321,6 +2664,7 @@ impl Backend for CudaBackend {
         heads: usize,
         d: usize,
     ) -> Result<(CudaTensor, CudaTensor)> {
+        plain!(self, qg);
         if qg.cols != 2 * heads * d {
             return Err(Error::Backend(format!(
                 "split_q_gate: {} columns for {heads} heads of {d}",
@@ -2353,10 +2697,12 @@ impl Backend for CudaBackend {
         dim: usize,
         eps: f32,
     ) -> Result<CudaTensor> {
+        plain!(self, x);
         self.norm_rows(x, w, None, dim, eps)
     }
 
     fn rope(&self, x: &mut CudaTensor, sh: &AttnShape, pos0: usize) -> Result<()> {
+        plain!(self, mut x);
         let d = sh.head_dim;
         if d == 0
             || !x.cols.is_multiple_of(d)
@@ -2397,6 +2743,7 @@ impl Backend for CudaBackend {
         v: &CudaTensor,
         pos0: usize,
     ) -> Result<()> {
+        plain!(self, k, v);
         same_shape(k, v, "kv_append")?;
         if k.cols != c.row {
             return Err(Error::Backend(format!(
@@ -2436,6 +2783,7 @@ impl Backend for CudaBackend {
         pos0: usize,
         eps: f32,
     ) -> Result<(CudaTensor, CudaTensor)> {
+        plain!(self, qg, k, v);
         let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
         same_shape(k, v, "attn_prep")?;
         if qg.cols != 2 * h * d
@@ -2500,6 +2848,7 @@ impl Backend for CudaBackend {
         sh: &AttnShape,
         pos0: usize,
     ) -> Result<CudaTensor> {
+        plain!(self, q);
         self.attention_with_gate(q, None, c, sh, pos0)
     }
 
@@ -2511,11 +2860,13 @@ impl Backend for CudaBackend {
         sh: &AttnShape,
         pos0: usize,
     ) -> Result<CudaTensor> {
+        plain!(self, q, gate);
         same_shape(q, gate, "attention_gated")?;
         self.attention_with_gate(q, Some(gate), c, sh, pos0)
     }
 
     fn sigmoid_mul(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor> {
+        plain!(self, x, gate);
         same_shape(x, gate, "sigmoid_mul")?;
         let out = self.tensor(x.rows, x.cols)?;
         let n = x.rows * x.cols;
@@ -2534,6 +2885,7 @@ impl Backend for CudaBackend {
     }
 
     fn route(&self, logits: &CudaTensor, top_k: usize, renormalize: bool) -> Result<CudaRouting> {
+        plain!(self, logits);
         let e = logits.cols;
         check_routing(e, top_k)?;
         let t = logits.rows;
@@ -2588,20 +2940,22 @@ impl Backend for CudaBackend {
         let [_logits, shared_gate_logit] = products(outs)?;
         let ids = self.tmp::<i32>(top_k)?;
         let weights = self.tmp::<f32>(top_k)?;
+        let (h_ptr, nrm) = self.row_input(h);
         launch!(
             self,
             self.k.router_topk[b],
             cfg((blocks as u32, 1), 256, gemv_smem_bytes(h.cols)),
             [
                 batch,
-                self.ptr(&h.buf),
+                h_ptr,
                 h.cols as i32,
                 self.ptr(&ids),
                 self.ptr(&weights),
                 self.ptr(&self.route_done),
                 e as i32,
                 top_k as i32,
-                renormalize as i32
+                renormalize as i32,
+                nrm
             ],
             bytes = qbytes(router.rows, router.cols, router.bits)
                 + qbytes(shared_gate.rows, shared_gate.cols, shared_gate.bits)
@@ -2651,15 +3005,45 @@ impl Backend for CudaBackend {
         w: &CudaSlice<f32>,
         eps: f32,
     ) -> Result<CudaTensor> {
+        plain!(self, mut x);
         same_shape(x, h, "moe_block_add_rms_norm")?;
         check_row_norm(x.cols, w)?;
-        // The fused kernel takes two columns a thread (kernels/pointwise.cu).
+        // One token: the new residual in a buffer of its own, its norm left lazy, if
+        // `moe_down_mix` takes the products.
+        let mixed = if x.rows == 1 {
+            let sum = self.tensor(1, x.cols)?;
+            let parts = LazyParts {
+                input: self.tensor(1, x.cols)?,
+                partials: self.tmp::<f32>(x.cols.div_ceil(MIX_ROWS_PER_BLOCK))?,
+            };
+            Some((sum, parts))
+        } else {
+            None
+        };
+        let mix = mixed.as_ref().map(|(sum, parts)| MixInto {
+            x_in: self.ptr(&x.buf),
+            x_out: self.ptr(&sum.buf),
+            gains: self.ptr(w),
+            input: self.ptr(&parts.input.buf),
+            partials: parts.partials.ptr,
+        });
+        let shared = Some((shared, shared_gate_logit));
+        let (y, logit) = match self.moe_products(h, rt, experts, shared, mix)? {
+            MoeOut::Rows(y, logit) => (y, logit),
+            MoeOut::Mixed => {
+                let (sum, parts) = mixed.ok_or_else(|| {
+                    Error::Backend("moe_block_add_rms_norm: mixed without a residual".into())
+                })?;
+                *x = sum;
+                return Ok(self.lazy_norm(x, parts, w, eps));
+            }
+        };
+        let out = self.tensor(x.rows, x.cols)?;
+        // The mixing kernel takes two columns a thread (kernels/pointwise.cu).
         if x.cols > 2 * 1024 {
-            let moe = self.moe(h, rt, experts, Some((shared, shared_gate_logit)))?;
+            let moe = self.combine(&y, logit, rt, x.rows, x.cols)?;
             return self.add_rms_norm(x, &moe, w, eps);
         }
-        let (y, logit) = self.moe_products(h, rt, experts, Some((shared, shared_gate_logit)))?;
-        let out = self.tensor(x.rows, x.cols)?;
         if x.rows > 0 {
             let threads = x.cols.div_ceil(2).next_multiple_of(32);
             launch!(
@@ -2688,6 +3072,8 @@ impl Backend for CudaBackend {
         y: &CudaTensor,
         gate_logit: &CudaTensor,
     ) -> Result<()> {
+        plain!(self, mut out);
+        plain!(self, y, gate_logit);
         same_shape(out, y, "add_sigmoid_gated")?;
         if gate_logit.rows != out.rows || gate_logit.cols != 1 {
             return Err(Error::Backend(
@@ -2898,13 +3284,10 @@ fn advance(state: &mut DecodeState<CudaBackend>) {
 
 /// The recorded logits row, valid until the next decode step.
 fn logits_view((ptr, cols): (u64, usize)) -> CudaTensor {
-    CudaTensor {
-        buf: DevBuf {
-            ptr,
-            len: cols,
-            _owned: None,
-        },
-        rows: 1,
-        cols,
-    }
+    let buf = DevBuf {
+        ptr,
+        len: cols,
+        _owned: None,
+    };
+    CudaTensor::new(buf, 1, cols)
 }

@@ -71,6 +71,42 @@ __device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, 
     }
 }
 
+// One token's input row normed lazily: rmsnorm(x) * gains, where the kernel that wrote the
+// residual x (qgemv_add_sumsq, moe_down_mix) wrote x * gains as the product's input and left the
+// sum of squares of x as `count` partial sums, one per block, instead of a launch of its own
+// norming it. A product over it scales its sums by rsqrt(mean(x^2) + eps), which the product's
+// linearity makes the same value as norming first, up to rounding. partials == nullptr: the input
+// is used as it is (several tokens, or a row normed already). Passed by value.
+struct RowNorm {
+    const float* partials;
+    int count;
+    int n;
+    float eps;
+};
+
+// A lane's first ROW_NORM_LOADS partials of a RowNorm (0 past the count, or without one), loaded
+// as soon as the kernel that wrote them is waited for, and summed only after the staging of x
+// (row_norm_scale): the two loads overlap instead of taking a round trip to L2 each.
+#define ROW_NORM_LOADS 8
+__device__ __forceinline__ void row_norm_load(const RowNorm& nrm, float (&part)[ROW_NORM_LOADS]) {
+#pragma unroll
+    for (int j = 0; j < ROW_NORM_LOADS; ++j) {
+        const int i = (int)(threadIdx.x & 31) + 32 * j;
+        part[j] = nrm.partials && i < nrm.count ? nrm.partials[i] : 0.f;
+    }
+}
+
+// The scale of a RowNorm's row (1 without one), its partials summed in a fixed order; called by
+// every lane of a warp.
+__device__ __forceinline__ float row_norm_scale(const RowNorm& nrm, const float (&part)[ROW_NORM_LOADS]) {
+    if (!nrm.partials) return 1.f;
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROW_NORM_LOADS; ++j) s += part[j];
+    for (int i = (int)(threadIdx.x & 31) + 32 * ROW_NORM_LOADS; i < nrm.count; i += 32) s += nrm.partials[i];
+    return 1.f / sqrtf(warp_sum(s) / (float)nrm.n + nrm.eps);
+}
+
 // Sum over each group of LANES lanes (32: the warp; 16: each half).
 template <int LANES>
 __device__ __forceinline__ float lanes_sum(float v) {
@@ -211,6 +247,20 @@ struct QRows {
 // first loads are in flight: decode was 7-9% slower (docs/performance.md, run12). The next
 // kernel's weight loads still overlap this kernel's main loop.
 
+// A product's input row staged (stage_x), then the barrier, then the next kernel's launch (only
+// now: see above); returns the scale of the row's RowNorm (1 without one), whose partials are
+// loaded before the staging and summed after it. Every thread of the block calls it, after the
+// wait for the kernel that wrote x.
+template <int BITS>
+__device__ __forceinline__ float stage_input(float* xs, const float* __restrict__ x, int cols, const RowNorm& nrm) {
+    float part[ROW_NORM_LOADS];
+    row_norm_load(nrm, part);
+    stage_x<BITS>(xs, x, cols);
+    __syncthreads();
+    pdl_launch_dependents();
+    return row_norm_scale(nrm, part);
+}
+
 // The matrix-vector variants, by the rows each warp takes (and the blocks per SM their registers
 // must allow):
 //   r4:  four rows per warp, each x value reused for four rows (large matrices);
@@ -227,22 +277,21 @@ struct QRows {
 
 // y[t][r] = sum_c w[r][c] * x[t][c], one token per blockIdx.y. Launch with 256 threads,
 // gemv_smem_bytes(cols) of dynamic shared memory (mod.rs).
+// With a RowNorm (one token), x is that lazily normed row.
 template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void qgemv(QMat w, const float* __restrict__ x, float* __restrict__ y, int rows,
-                                      int cols) {
+                                      int cols, const RowNorm& nrm) {
     extern __shared__ float xs[];
     QRows<BITS, R, U, LANES> m(w, first_row<R, LANES>(warp_in_grid()), rows, cols);
     m.load(0);
     pdl_wait();
-    stage_x<BITS>(xs, x + (size_t)blockIdx.y * cols, cols);
-    __syncthreads();
-    pdl_launch_dependents();  // only now: see "When the next kernel launches"
+    const float scale = stage_input<BITS>(xs, x + (size_t)blockIdx.y * cols, cols, nrm);
     if (warp_idle<R, LANES>(warp_in_grid(), rows)) return;
     float acc[R] = {};
     m.run(xs, acc);
 #pragma unroll
     for (int r = 0; r < R; ++r)
-        if (m.writer(r)) y[(size_t)blockIdx.y * rows + m.row0 + r] = acc[r];
+        if (m.writer(r)) y[(size_t)blockIdx.y * rows + m.row0 + r] = acc[r] * scale;
 }
 
 // The launch bounds of a variant: 256 threads, and the blocks per SM its registers must allow.
@@ -250,12 +299,12 @@ __device__ __forceinline__ void qgemv(QMat w, const float* __restrict__ x, float
 
 #define QGEMV(R, U, LANES, SUFFIX, MIN_BLOCKS)                                                          \
     extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS)                                                  \
-        q4_gemv##SUFFIX(QMat w, const float* x, float* y, int rows, int cols) {                         \
-        qgemv<4, R, U, LANES>(w, x, y, rows, cols);                                                     \
+        q4_gemv##SUFFIX(QMat w, const float* x, float* y, int rows, int cols, RowNorm nrm) {            \
+        qgemv<4, R, U, LANES>(w, x, y, rows, cols, nrm);                                                \
     }                                                                                                   \
     extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS)                                                  \
-        q8_gemv##SUFFIX(QMat w, const float* x, float* y, int rows, int cols) {                         \
-        qgemv<8, R, U, LANES>(w, x, y, rows, cols);                                                     \
+        q8_gemv##SUFFIX(QMat w, const float* x, float* y, int rows, int cols, RowNorm nrm) {            \
+        qgemv<8, R, U, LANES>(w, x, y, rows, cols, nrm);                                                \
     }
 GEMV_VARIANTS(QGEMV)
 
@@ -266,7 +315,7 @@ GEMV_VARIANTS(QGEMV)
 // gemv_smem_bytes(cols) of shared memory.
 template <int BITS>
 __device__ __forceinline__ void qgemv_stream(QMat w, const float* __restrict__ x, float* __restrict__ y, int rows,
-                                             int cols) {
+                                             int cols, const RowNorm& nrm) {
     constexpr int R = 2, U = 2;
     extern __shared__ float xs[];
     const int step = (int)(gridDim.x * (blockDim.x >> 5)) * R;
@@ -274,9 +323,7 @@ __device__ __forceinline__ void qgemv_stream(QMat w, const float* __restrict__ x
     QRows<BITS, R, U, 32> cur(w, row0, rows, cols);
     cur.load(0);
     pdl_wait();
-    stage_x<BITS>(xs, x + (size_t)blockIdx.y * cols, cols);
-    __syncthreads();
-    pdl_launch_dependents();  // only now: see "When the next kernel launches"
+    const float scale = stage_input<BITS>(xs, x + (size_t)blockIdx.y * cols, cols, nrm);
     for (; row0 < rows; row0 += step) {
         QRows<BITS, R, U, 32> next(w, row0 + step, rows, cols);
         if (row0 + step < rows) next.load(0);
@@ -284,22 +331,25 @@ __device__ __forceinline__ void qgemv_stream(QMat w, const float* __restrict__ x
         cur.run(xs, acc);
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            if (cur.writer(r)) y[(size_t)blockIdx.y * rows + row0 + r] = acc[r];
+            if (cur.writer(r)) y[(size_t)blockIdx.y * rows + row0 + r] = acc[r] * scale;
         cur = next;
     }
 }
 
-extern "C" __global__ void GEMV_BOUNDS(2) q4_gemv_stream(QMat w, const float* x, float* y, int rows, int cols) {
-    qgemv_stream<4>(w, x, y, rows, cols);
+extern "C" __global__ void GEMV_BOUNDS(2) q4_gemv_stream(QMat w, const float* x, float* y, int rows, int cols,
+                                                        RowNorm nrm) {
+    qgemv_stream<4>(w, x, y, rows, cols, nrm);
 }
-extern "C" __global__ void GEMV_BOUNDS(2) q8_gemv_stream(QMat w, const float* x, float* y, int rows, int cols) {
-    qgemv_stream<8>(w, x, y, rows, cols);
+extern "C" __global__ void GEMV_BOUNDS(2) q8_gemv_stream(QMat w, const float* x, float* y, int rows, int cols,
+                                                        RowNorm nrm) {
+    qgemv_stream<8>(w, x, y, rows, cols, nrm);
 }
 
 // Launch with 256 threads, first_block[4] blocks and gemv_smem_bytes(cols) of shared memory; one
 // token.
 template <int BITS, int R, int U, int LANES>
-__device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __restrict__ x, int cols) {
+__device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __restrict__ x, int cols,
+                                            const RowNorm& nrm) {
     extern __shared__ float xs[];
     int m = 0;
     while (m < 3 && (int)blockIdx.x >= b.first_block[m + 1]) ++m;
@@ -308,25 +358,23 @@ __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __rest
     QRows<BITS, R, U, LANES> mat({b.codes[m], b.scales[m], b.biases[m]}, first_row<R, LANES>(warp), rows, cols);
     mat.load(0);
     pdl_wait();
-    stage_x<BITS>(xs, x, cols);
-    __syncthreads();
-    pdl_launch_dependents();  // only now: see "When the next kernel launches"
+    const float scale = stage_input<BITS>(xs, x, cols, nrm);
     if (warp_idle<R, LANES>(warp, rows)) return;  // from this function: router_topk's tail still runs
     float acc[R] = {};
     mat.run(xs, acc);
 #pragma unroll
     for (int r = 0; r < R; ++r)
-        if (mat.writer(r)) b.y[m][mat.row0 + r] = acc[r];
+        if (mat.writer(r)) b.y[m][mat.row0 + r] = acc[r] * scale;
 }
 
 #define QGEMV_BATCH(R, U, LANES, SUFFIX, MIN_BLOCKS)                                                  \
     extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS) q4_gemv_batch##SUFFIX(QBatch b, const float* x,   \
-                                                                            int cols) {                 \
-        qgemv_batch<4, R, U, LANES>(b, x, cols);                                                        \
+                                                                            int cols, RowNorm nrm) {    \
+        qgemv_batch<4, R, U, LANES>(b, x, cols, nrm);                                                   \
     }                                                                                                   \
     extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS) q8_gemv_batch##SUFFIX(QBatch b, const float* x,   \
-                                                                            int cols) {                 \
-        qgemv_batch<8, R, U, LANES>(b, x, cols);                                                        \
+                                                                            int cols, RowNorm nrm) {    \
+        qgemv_batch<8, R, U, LANES>(b, x, cols, nrm);                                                   \
     }
 GEMV_VARIANTS(QGEMV_BATCH)
 
@@ -337,7 +385,8 @@ GEMV_VARIANTS(QGEMV_BATCH)
 // (two blocks of 121 registers a thread fit an SM). Launch with 256 threads, 2 blocks per SM and
 // gemv_smem_bytes(cols) of shared memory; one token.
 template <int BITS>
-__device__ __forceinline__ void qgemv_batch_stream(const QBatch& b, const float* __restrict__ x, int cols) {
+__device__ __forceinline__ void qgemv_batch_stream(const QBatch& b, const float* __restrict__ x, int cols,
+                                                   const RowNorm& nrm) {
     constexpr int R = 2, U = 2;
     extern __shared__ float xs[];
     const int total = b.first_row[4];
@@ -352,9 +401,7 @@ __device__ __forceinline__ void qgemv_batch_stream(const QBatch& b, const float*
     QRows<BITS, R, U, 32> cur = rows_at(min(g, total - 1), m);
     if (g < total) cur.load(0);
     pdl_wait();
-    stage_x<BITS>(xs, x, cols);
-    __syncthreads();
-    pdl_launch_dependents();  // only now: see "When the next kernel launches"
+    const float scale = stage_input<BITS>(xs, x, cols, nrm);
     for (; g < total; g += step) {
         int m_next = m;
         QRows<BITS, R, U, 32> next = rows_at(min(g + step, total - 1), m_next);
@@ -363,18 +410,108 @@ __device__ __forceinline__ void qgemv_batch_stream(const QBatch& b, const float*
         cur.run(xs, acc);
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            if (cur.writer(r)) b.y[m][cur.row0 + r] = acc[r];
+            if (cur.writer(r)) b.y[m][cur.row0 + r] = acc[r] * scale;
         cur = next;
         m = m_next;
     }
 }
 
-extern "C" __global__ void GEMV_BOUNDS(2) q4_gemv_batch_stream(QBatch b, const float* x, int cols) {
-    qgemv_batch_stream<4>(b, x, cols);
+extern "C" __global__ void GEMV_BOUNDS(2) q4_gemv_batch_stream(QBatch b, const float* x, int cols, RowNorm nrm) {
+    qgemv_batch_stream<4>(b, x, cols, nrm);
 }
-extern "C" __global__ void GEMV_BOUNDS(2) q8_gemv_batch_stream(QBatch b, const float* x, int cols) {
-    qgemv_batch_stream<8>(b, x, cols);
+extern "C" __global__ void GEMV_BOUNDS(2) q8_gemv_batch_stream(QBatch b, const float* x, int cols, RowNorm nrm) {
+    qgemv_batch_stream<8>(b, x, cols, nrm);
 }
+
+// ---- the last block. Work that needs other blocks' results (the routing of all the router's
+// logits; the mix of a block of rows' expert outputs) is done by the block that finishes last
+// instead of in a launch of its own.
+
+// A load from L2, past this SM's L1 (which may hold an older copy of a buffer another SM wrote).
+__device__ __forceinline__ float load_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// Whether this block is the last of `blocks` blocks to get here, by a ticket from `counter`
+// (zero between launches: the last block sets it back). Every thread of the block must call it
+// (none may have exited), after its stores that the last block reads: they are made visible
+// device-wide before the block takes its ticket.
+__device__ __forceinline__ bool last_block(u32* counter, u32 blocks) {
+    __shared__ u32 ticket;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(counter, 1u);
+    __syncthreads();
+    const bool last = ticket == blocks - 1;
+    if (last && threadIdx.x == 0) *counter = 0;
+    return last;
+}
+
+// The sum over the block of each thread's v into partials[blockIdx.x] (RowNorm's partial sums of
+// squares), in a fixed order. Every thread of the block calls it.
+__device__ __forceinline__ void block_total_to(float* partials, float v) {
+    __shared__ float part[32];
+    const float s = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += part[w];
+        partials[blockIdx.x] = t;
+    }
+}
+
+// x_out[r] = x_in[r] + w[r] . y for one token: a mixer's output projection added to the
+// residual, whose next norm (gains `gains`) is left to the products that read it (RowNorm:
+// x_out * gains into xg, each block's sum of squares of its rows into partials[blockIdx.x]).
+// qgemv's blocks and variants.
+template <int BITS, int R, int U, int LANES>
+__device__ __forceinline__ void qgemv_add_sumsq(QMat w, const float* __restrict__ y, const float* x_in, float* x_out,
+                                                const float* gains, float* xg, float* partials, int rows,
+                                                int cols) {
+    extern __shared__ float xs[];
+    QRows<BITS, R, U, LANES> m(w, first_row<R, LANES>(warp_in_grid()), rows, cols);
+    m.load(0);
+    pdl_wait();
+    float res[R], gain[R];  // the residual and gains, loaded with the staging's loads
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        res[r] = m.writer(r) ? x_in[m.row0 + r] : 0.f;
+        gain[r] = m.writer(r) ? gains[m.row0 + r] : 0.f;
+    }
+    stage_x<BITS>(xs, y, cols);
+    __syncthreads();
+    pdl_launch_dependents();  // only now: see "When the next kernel launches"
+    float sq = 0.f;
+    if (!warp_idle<R, LANES>(warp_in_grid(), rows)) {
+        float acc[R] = {};
+        m.run(xs, acc);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (m.writer(r)) {
+                const float v = res[r] + acc[r];
+                x_out[m.row0 + r] = v;
+                xg[m.row0 + r] = v * gain[r];
+                sq = fmaf(v, v, sq);
+            }
+    }
+    block_total_to(partials, sq);
+}
+
+#define QGEMV_ADD_SUMSQ(R, U, LANES, SUFFIX, MIN_BLOCKS)                                                 \
+    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS) q4_gemv_add_sumsq##SUFFIX(                       \
+        QMat w, const float* y, const float* x_in, float* x_out, const float* gains, float* xg,          \
+        float* partials, int rows, int cols) {                                                           \
+        qgemv_add_sumsq<4, R, U, LANES>(w, y, x_in, x_out, gains, xg, partials, rows, cols);             \
+    }                                                                                                    \
+    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS) q8_gemv_add_sumsq##SUFFIX(                       \
+        QMat w, const float* y, const float* x_in, float* x_out, const float* gains, float* xg,          \
+        float* partials, int rows, int cols) {                                                           \
+        qgemv_add_sumsq<8, R, U, LANES>(w, y, x_in, x_out, gains, xg, partials, rows, cols);             \
+    }
+GEMV_VARIANTS(QGEMV_ADD_SUMSQ)
 
 // out[t][c] = dequantized row ids[t] of the table. One block per token.
 template <int BITS>
@@ -412,7 +549,7 @@ extern "C" __global__ void q8_embed(const u32* codes, const u16* scales, const u
 template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
                                             const float* x, float* act, int top_k, int pairs, int inter,
-                                            int inter_s, int hidden) {
+                                            int inter_s, int hidden, const RowNorm& nrm) {
     extern __shared__ float xs[];
     const int p = blockIdx.y;
     const bool shared = p >= pairs;
@@ -431,16 +568,14 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
     gm.load(0);
     um.load(0);
     if (shared) pdl_wait();
-    stage_x<BITS>(xs, x + (size_t)t * hidden, hidden);
-    __syncthreads();
-    pdl_launch_dependents();  // only now: see "When the next kernel launches"
+    const float scale = stage_input<BITS>(xs, x + (size_t)t * hidden, hidden, nrm);
     if (warp_idle<R, LANES>(warp, rows)) return;
     float ag[R] = {}, au[R] = {};
     gm.run(xs, ag, &um, au);
     const int stride = max(inter, inter_s);
 #pragma unroll
     for (int r = 0; r < R; ++r)
-        if (gm.writer(r)) act[(size_t)p * stride + gm.row0 + r] = silu(ag[r]) * au[r];
+        if (gm.writer(r)) act[(size_t)p * stride + gm.row0 + r] = silu(ag[r] * scale) * (au[r] * scale);
 }
 
 // moe_gate_up for one token (decode): the rows of every pair taken as one run, the shared
@@ -453,7 +588,7 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 template <int BITS>
 __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
                                                    const float* x, float* act, int pairs, int inter, int inter_s,
-                                                   int hidden) {
+                                                   int hidden, const RowNorm& nrm) {
     using Rows = QRows<BITS, 1, 2, 32>;
     extern __shared__ float xs[];
     const int shared_rows = sgate.codes ? inter_s : 0;
@@ -480,9 +615,7 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
         cur.u.load(0);
     }
     if (early) pdl_wait();
-    stage_x<BITS>(xs, x, hidden);
-    __syncthreads();
-    pdl_launch_dependents();  // only now: see "When the next kernel launches"
+    const float scale = stage_input<BITS>(xs, x, hidden, nrm);
     for (; g < total; g += step) {
         Row next = row_at(min(g + step, total - 1));
         if (g + step < total) {
@@ -491,20 +624,22 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
         }
         float ag[1] = {}, au[1] = {};
         cur.g.run(xs, ag, &cur.u, au);
-        if (cur.g.writer(0)) act[(size_t)cur.p * stride + cur.r] = silu(ag[0]) * au[0];
+        if (cur.g.writer(0)) act[(size_t)cur.p * stride + cur.r] = silu(ag[0] * scale) * (au[0] * scale);
         cur = next;
     }
 }
 
 extern "C" __global__ void GEMV_BOUNDS(2) q4_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup,
                                                               const int* ids, const float* x, float* act, int top_k,
-                                                              int pairs, int inter, int inter_s, int hidden) {
-    moe_gate_up_stream<4>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden);
+                                                              int pairs, int inter, int inter_s, int hidden,
+                                                              RowNorm nrm) {
+    moe_gate_up_stream<4>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden, nrm);
 }
 extern "C" __global__ void GEMV_BOUNDS(2) q8_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup,
                                                               const int* ids, const float* x, float* act, int top_k,
-                                                              int pairs, int inter, int inter_s, int hidden) {
-    moe_gate_up_stream<8>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden);
+                                                              int pairs, int inter, int inter_s, int hidden,
+                                                              RowNorm nrm) {
+    moe_gate_up_stream<8>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden, nrm);
 }
 
 // y[p][r] = down[r] . act[p]. Launch with 256 threads, (ceil(hidden / ROWS_PER_BLOCK),
@@ -541,15 +676,17 @@ __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, 
 #define MOE_KERNELS(R, U, LANES, SUFFIX, MIN_BLOCKS)                                                   \
     extern "C" __global__ void GEMV_BOUNDS(GATE_UP_MIN_BLOCKS(LANES, MIN_BLOCKS))                        \
         q4_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids, const float* x, \
-                               float* act, int top_k, int pairs, int inter, int inter_s, int hidden) {  \
+                               float* act, int top_k, int pairs, int inter, int inter_s, int hidden,    \
+                               RowNorm nrm) {                                                           \
         moe_gate_up<4, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,   \
-                                              inter_s, hidden);                                         \
+                                              inter_s, hidden, nrm);                                    \
     }                                                                                                   \
     extern "C" __global__ void GEMV_BOUNDS(GATE_UP_MIN_BLOCKS(LANES, MIN_BLOCKS))                        \
         q8_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids, const float* x, \
-                               float* act, int top_k, int pairs, int inter, int inter_s, int hidden) {  \
+                               float* act, int top_k, int pairs, int inter, int inter_s, int hidden,    \
+                               RowNorm nrm) {                                                           \
         moe_gate_up<8, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,   \
-                                              inter_s, hidden);                                         \
+                                              inter_s, hidden, nrm);                                    \
     }                                                                                                   \
     extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS)                                                  \
         q4_moe_down##SUFFIX(QMat down, QMat sdown, const int* ids, const float* act, float* y, int pairs, \
@@ -562,6 +699,69 @@ __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, 
         moe_down<8, R, U, LANES>(down, sdown, ids, act, y, pairs, inter, inter_s, hidden);              \
     }
 GEMV_VARIANTS(MOE_KERNELS)
+
+// moe_down for one token (its h16 shape: MIX_ROWS rows a block, four per half warp), then its
+// outputs mixed as moe_combine_add_rms_norm mixes them (the same sums, in the same order) and
+// added to the residual: x_out = x_in + mix, whose next norm (gains `gains`) is left to the
+// products that read it (RowNorm: x_out * gains into xg, each block of rows' sum of squares into
+// partials[blockIdx.x]). A block of rows is mixed by the last of its pairs' blocks to finish (a
+// ticket from counters[blockIdx.x]), one thread a row, reading the other blocks' outputs from L2.
+// Launch as moe_down's h16 variant, with (ceil(hidden / MIX_ROWS), top_k + shared) blocks.
+#define MIX_ROWS 64
+#define MIX_MAX_PAIRS 10
+template <int BITS>
+__device__ __forceinline__ void moe_down_mix(QMat down, QMat sdown, const int* ids, const float* weights,
+                                             const float* shared_logit, const float* act, float* y,
+                                             const float* x_in, float* x_out, const float* gains, float* xg,
+                                             float* partials, u32* counters, int top_k, int inter, int inter_s,
+                                             int hidden) {
+    moe_down<BITS, 4, 1, 16>(down, sdown, ids, act, y, top_k, inter, inter_s, hidden);
+    if (!last_block(counters + blockIdx.x, gridDim.y)) return;
+    const bool with_shared = sdown.codes != nullptr;
+    const int row = blockIdx.x * MIX_ROWS + threadIdx.x;
+    float sq = 0.f;
+    if (threadIdx.x < MIX_ROWS && row < hidden) {
+        float yv[MIX_MAX_PAIRS];
+#pragma unroll
+        for (int j = 0; j < MIX_MAX_PAIRS; ++j)
+            yv[j] = j < top_k + (with_shared ? 1 : 0) ? load_cg(y + (size_t)j * hidden + row) : 0.f;
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < MIX_MAX_PAIRS - 1; ++j)
+            if (j < top_k) acc = fmaf(weights[j], yv[j], acc);
+        if (with_shared) {
+            float ys = yv[0];
+#pragma unroll
+            for (int j = 1; j < MIX_MAX_PAIRS; ++j)
+                if (j == top_k) ys = yv[j];
+            acc += ys / (1.f + expf(-shared_logit[0]));
+        }
+        const float v = x_in[row] + acc;
+        x_out[row] = v;
+        xg[row] = v * gains[row];
+        sq = v * v;
+    }
+    block_total_to(partials, sq);
+}
+
+extern "C" __global__ void GEMV_BOUNDS(3) q4_moe_down_mix(QMat down, QMat sdown, const int* ids,
+                                                          const float* weights, const float* shared_logit,
+                                                          const float* act, float* y, const float* x_in,
+                                                          float* x_out, const float* gains, float* xg,
+                                                          float* partials, u32* counters, int top_k, int inter,
+                                                          int inter_s, int hidden) {
+    moe_down_mix<4>(down, sdown, ids, weights, shared_logit, act, y, x_in, x_out, gains, xg, partials, counters,
+                    top_k, inter, inter_s, hidden);
+}
+extern "C" __global__ void GEMV_BOUNDS(3) q8_moe_down_mix(QMat down, QMat sdown, const int* ids,
+                                                          const float* weights, const float* shared_logit,
+                                                          const float* act, float* y, const float* x_in,
+                                                          float* x_out, const float* gains, float* xg,
+                                                          float* partials, u32* counters, int top_k, int inter,
+                                                          int inter_s, int hidden) {
+    moe_down_mix<8>(down, sdown, ids, weights, shared_logit, act, y, x_in, x_out, gains, xg, partials, counters,
+                    top_k, inter, inter_s, hidden);
+}
 
 // out[t][c] = sum_j weights[t*k+j] * y[t*k+j][c] (in the order j = 0..k-1, as the reference
 // adds), then + sigmoid(shared_logit[t]) * y[pairs + t][c] when there is a shared expert.
@@ -654,13 +854,6 @@ extern "C" __global__ void moe_route(const float* logits, int* ids, float* weigh
     route_token_any(logits + t * experts, experts, top_k, renormalize, ids + t * top_k, weights + t * top_k);
 }
 
-// A load from L2, past this SM's L1 (which may hold an older copy of a buffer another SM wrote).
-__device__ __forceinline__ float load_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
 // One token's router product and its routing in one launch: qgemv_batch over the router (matrix
 // 0, `experts` rows) and the shared-expert gate, one row per warp; then the block that finishes
 // last (a ticket from `done`, which it sets back to 0) copies the logits into shared memory and
@@ -668,29 +861,23 @@ __device__ __forceinline__ float load_cg(const float* p) {
 // qgemv_batch's r1 variant; experts <= cols (the logits reuse x's shared memory).
 template <int BITS>
 __device__ __forceinline__ void router_topk(const QBatch& b, const float* x, int cols, int* ids, float* weights,
-                                            u32* done, int experts, int top_k, int renormalize) {
+                                            u32* done, int experts, int top_k, int renormalize,
+                                            const RowNorm& nrm) {
     extern __shared__ float xs[];
-    __shared__ u32 ticket;
-    qgemv_batch<BITS, 1, 4, 32>(b, x, cols);
-    // Every thread's logit stores are visible device-wide before the block takes its ticket.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(done, 1u);
-    __syncthreads();
-    if (ticket != gridDim.x - 1) return;
+    qgemv_batch<BITS, 1, 4, 32>(b, x, cols, nrm);
+    if (!last_block(done, gridDim.x)) return;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) xs[e] = load_cg(b.y[0] + e);
     __syncthreads();
     if (threadIdx.x < 32) route_token_any(xs, experts, top_k, renormalize, ids, weights);
-    if (threadIdx.x == 0) *done = 0;
 }
 
 extern "C" __global__ void GEMV_BOUNDS(3) q4_router_topk(QBatch b, const float* x, int cols, int* ids,
                                                        float* weights, u32* done, int experts, int top_k,
-                                                       int renormalize) {
-    router_topk<4>(b, x, cols, ids, weights, done, experts, top_k, renormalize);
+                                                       int renormalize, RowNorm nrm) {
+    router_topk<4>(b, x, cols, ids, weights, done, experts, top_k, renormalize, nrm);
 }
 extern "C" __global__ void GEMV_BOUNDS(3) q8_router_topk(QBatch b, const float* x, int cols, int* ids,
                                                        float* weights, u32* done, int experts, int top_k,
-                                                       int renormalize) {
-    router_topk<8>(b, x, cols, ids, weights, done, experts, top_k, renormalize);
+                                                       int renormalize, RowNorm nrm) {
+    router_topk<8>(b, x, cols, ids, weights, done, experts, top_k, renormalize, nrm);
 }
