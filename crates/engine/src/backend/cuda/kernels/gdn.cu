@@ -86,6 +86,95 @@ struct GdnChunk {
     float a[CHUNK], b[CHUNK];
 };
 
+// One token's step of a state row, by the GDN_TPR threads that share it: s *= decay; delta =
+// (v - s.k) * beta; s += delta * k; returns s.q (every thread of the row gets it). kp and qp hold
+// the thread's float4s of the normalised key and query, STRIDE apart (GDN_TPR in the staged chunk,
+// 1 in registers). The dot products keep four partial sums (one per float4 lane) so that
+// consecutive multiply-adds do not wait on each other.
+template <int NJ, int STRIDE>
+__device__ __forceinline__ float gdn_token_step(float4 (&s)[NJ], const float4* kp, const float4* qp, float v,
+                                                float decay, float beta) {
+    float4 k[NJ];
+    float4 kv4 = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        k[j] = kp[STRIDE * j];
+        s[j] = make_float4(s[j].x * decay, s[j].y * decay, s[j].z * decay, s[j].w * decay);
+        kv4 = make_float4(fmaf(s[j].x, k[j].x, kv4.x), fmaf(s[j].y, k[j].y, kv4.y), fmaf(s[j].z, k[j].z, kv4.z),
+                          fmaf(s[j].w, k[j].w, kv4.w));
+    }
+    float kv = (kv4.x + kv4.y) + (kv4.z + kv4.w);
+#pragma unroll
+    for (int m = 1; m < GDN_TPR; m <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, m);
+    const float delta = (v - kv) * beta;
+    float4 o4 = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const float4 q = qp[STRIDE * j];
+        s[j] = make_float4(fmaf(delta, k[j].x, s[j].x), fmaf(delta, k[j].y, s[j].y), fmaf(delta, k[j].z, s[j].z),
+                           fmaf(delta, k[j].w, s[j].w));
+        o4 = make_float4(fmaf(s[j].x, q.x, o4.x), fmaf(s[j].y, q.y, o4.y), fmaf(s[j].z, q.z, o4.z),
+                         fmaf(s[j].w, q.w, o4.w));
+    }
+    float o = (o4.x + o4.y) + (o4.z + o4.w);
+#pragma unroll
+    for (int m = 1; m < GDN_TPR; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
+    return o;
+}
+
+// gdn_recurrence_impl for one token (decode): the thread's parts of q and k straight into
+// registers, normalised there by every row's 16 threads alike, and the gates computed by each
+// thread, instead of the chunk's staging through shared memory and its two barriers. The same
+// arithmetic as the token loop's, bit for bit.
+template <int DK>
+__device__ __forceinline__ void gdn_step_one(const float* qkv, const float* a, const float* b, const float* a_log,
+                                             const float* dt_bias, float* state, float* y, int hk, int hv, int dv,
+                                             float l2_eps) {
+    constexpr int D4 = DK / 4, NJ = DK / (4 * GDN_TPR);
+    const int h = blockIdx.x, tid = threadIdx.x;
+    const int r = tid / GDN_TPR, part = tid % GDN_TPR, row = blockIdx.y * GDN_ROWS + r;
+    const int kh = h / (hv / hk), kd = hk * DK;
+    const bool live = row < dv;
+    float4* st = reinterpret_cast<float4*>(state + ((size_t)h * dv + row) * DK);
+    // The state and the gate parameters before the wait (gdn_recurrence_impl says why).
+    float4 s[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) s[j] = live ? st[part + GDN_TPR * j] : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float qscale = rsqrtf((float)DK), neg_a = -expf(a_log[h]), dtb = dt_bias[h];
+    pdl_wait();
+    const float4* in = reinterpret_cast<const float4*>(qkv);
+    float4 q[NJ], k[NJ];
+    float qq = 0.f, kk = 0.f;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        q[j] = in[kh * D4 + part + GDN_TPR * j];
+        k[j] = in[kd / 4 + kh * D4 + part + GDN_TPR * j];
+    }
+    const float v = live ? qkv[2 * kd + h * dv + row] : 0.f;
+    const float decay = expf(neg_a * softplus(a[h] + dtb)), beta = sigmoid(b[h]);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        qq += q[j].x * q[j].x + q[j].y * q[j].y + q[j].z * q[j].z + q[j].w * q[j].w;
+        kk += k[j].x * k[j].x + k[j].y * k[j].y + k[j].z * k[j].z + k[j].w * k[j].w;
+    }
+#pragma unroll
+    for (int m = 1; m < GDN_TPR; m <<= 1) {
+        qq += __shfl_xor_sync(0xffffffffu, qq, m);
+        kk += __shfl_xor_sync(0xffffffffu, kk, m);
+    }
+    const float qn = qscale / sqrtf(qq + l2_eps), kn = 1.f / sqrtf(kk + l2_eps);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        q[j] = make_float4(q[j].x * qn, q[j].y * qn, q[j].z * qn, q[j].w * qn);
+        k[j] = make_float4(k[j].x * kn, k[j].y * kn, k[j].z * kn, k[j].w * kn);
+    }
+    const float o = gdn_token_step<NJ, 1>(s, k, q, v, decay, beta);
+    if (part == 0 && live) y[(size_t)h * dv + row] = o;
+    if (live)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) st[part + GDN_TPR * j] = s[j];
+}
+
 template <int DK>
 __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const float* a, const float* b,
                                                     const float* a_log, const float* dt_bias, float* state,
@@ -163,36 +252,10 @@ __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const floa
         }
         __syncthreads();
         if (t0 + CHUNK < tokens) fetch(t0 + CHUNK, buf[ci ^ 1]);
-        // The dot products keep four partial sums (one per float4 lane) so that consecutive
-        // multiply-adds do not wait on each other.
 #pragma unroll 2
         for (int t = 0; t < n; ++t) {
-            const float decay = c.a[t], beta = c.b[t];
-            float4 k[NJ];
-            float4 kv4 = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                k[j] = c.k[t][part + GDN_TPR * j];
-                s[j] = make_float4(s[j].x * decay, s[j].y * decay, s[j].z * decay, s[j].w * decay);
-                kv4 = make_float4(fmaf(s[j].x, k[j].x, kv4.x), fmaf(s[j].y, k[j].y, kv4.y),
-                                  fmaf(s[j].z, k[j].z, kv4.z), fmaf(s[j].w, k[j].w, kv4.w));
-            }
-            float kv = (kv4.x + kv4.y) + (kv4.z + kv4.w);
-#pragma unroll
-            for (int m = 1; m < GDN_TPR; m <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, m);
-            const float delta = (c.v[t][r] - kv) * beta;
-            float4 o4 = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const float4 q = c.q[t][part + GDN_TPR * j];
-                s[j] = make_float4(fmaf(delta, k[j].x, s[j].x), fmaf(delta, k[j].y, s[j].y),
-                                   fmaf(delta, k[j].z, s[j].z), fmaf(delta, k[j].w, s[j].w));
-                o4 = make_float4(fmaf(s[j].x, q.x, o4.x), fmaf(s[j].y, q.y, o4.y), fmaf(s[j].z, q.z, o4.z),
-                                 fmaf(s[j].w, q.w, o4.w));
-            }
-            float o = (o4.x + o4.y) + (o4.z + o4.w);
-#pragma unroll
-            for (int m = 1; m < GDN_TPR; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
+            const float o =
+                gdn_token_step<NJ, GDN_TPR>(s, &c.k[t][part], &c.q[t][part], c.v[t][r], c.a[t], c.b[t]);
             if (part == 0 && live) y[(size_t)(t0 + t) * hv * dv + h * dv + row] = o;
         }
     }
@@ -208,7 +271,8 @@ __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const floa
                              const float* dt_bias, float* state, float* y, int tokens, int hk, int hv, int dv, \
                              float l2_eps) {                                                                \
         pdl_launch_dependents();                                                                            \
-        gdn_recurrence_impl<DK>(qkv, a, b, a_log, dt_bias, state, y, tokens, hk, hv, dv, l2_eps);          \
+        if (tokens == 1) gdn_step_one<DK>(qkv, a, b, a_log, dt_bias, state, y, hk, hv, dv, l2_eps);         \
+        else gdn_recurrence_impl<DK>(qkv, a, b, a_log, dt_bias, state, y, tokens, hk, hv, dv, l2_eps);     \
     }
 GDN_RECURRENCE(64)
 GDN_RECURRENCE(128)
