@@ -1685,19 +1685,8 @@ impl CudaBackend {
             return Ok(Plain::Borrowed(t));
         };
         let out = self.tensor(t.rows, t.cols)?;
-        launch!(
-            self,
-            self.k.rms_norm,
-            cfg((t.rows as u32, 1), 256, 0),
-            [
-                lazy.x.ptr,
-                lazy.gains,
-                0u64,
-                self.ptr(&out.buf),
-                t.cols as i32,
-                lazy.eps
-            ]
-        )?;
+        let ptrs = [lazy.x.ptr, lazy.gains, 0, self.ptr(&out.buf)];
+        self.launch_norm_rows(ptrs, t.rows, t.cols, lazy.eps)?;
         Ok(Plain::Normed(out))
     }
 
@@ -1995,6 +1984,24 @@ impl CudaBackend {
         let out = self.tensor(x.rows, x.cols)?;
         let groups = x.rows * x.cols / cols;
         let zp = z.map(|z| self.ptr(&z.buf)).unwrap_or(0);
+        self.launch_norm_rows(
+            [self.ptr(&x.buf), self.ptr(w), zp, self.ptr(&out.buf)],
+            groups,
+            cols,
+            eps,
+        )?;
+        Ok(out)
+    }
+
+    /// `rms_norm`'s kernels over `groups` rows of `cols` at the addresses `[x, gains, z (0:
+    /// none), out]`.
+    fn launch_norm_rows(
+        &self,
+        [x, w, zp, out]: [u64; 4],
+        groups: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<()> {
         // Many short rows (a prefill chunk's per-head norms) a warp each, eight to a block; long
         // rows, and the few of one decode token (where the block kernel is faster: 1.30 against
         // 2.04 us for 32 rows of 128), a block each.
@@ -2003,15 +2010,7 @@ impl CudaBackend {
                 self,
                 self.k.rms_norm_warp,
                 cfg((groups.div_ceil(8) as u32, 1), 256, 0),
-                [
-                    self.ptr(&x.buf),
-                    self.ptr(w),
-                    zp,
-                    self.ptr(&out.buf),
-                    groups as i32,
-                    cols as i32,
-                    eps
-                ]
+                [x, w, zp, out, groups as i32, cols as i32, eps]
             )?;
         } else if groups > 0 {
             let threads = if cols >= 1024 { 256 } else { 128 };
@@ -2019,17 +2018,10 @@ impl CudaBackend {
                 self,
                 self.k.rms_norm,
                 cfg((groups as u32, 1), threads, 0),
-                [
-                    self.ptr(&x.buf),
-                    self.ptr(w),
-                    zp,
-                    self.ptr(&out.buf),
-                    cols as i32,
-                    eps
-                ]
+                [x, w, zp, out, cols as i32, eps]
             )?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// A quantized product, checked: `x [T, cols] -> [T, rows]`.
