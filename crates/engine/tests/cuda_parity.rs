@@ -565,14 +565,15 @@ fn attention_matches_at_short_and_long_contexts() {
 /// The GPU's routing against the CPU's: the ids exactly, the weights within `TOL`.
 fn same_routing(what: &str, gpu: &CudaBackend, rg: &CudaRouting, rc: &CpuRouting) {
     let n = rc.ids.len();
+    let (ids, weights) = gpu.routing(rg).expect("routing");
     let ids: Vec<u32> = gpu
-        .download_buf(&rg.ids)
+        .download_buf(ids)
         .expect("ids")
         .iter()
         .map(|&i| i as u32)
         .collect();
     assert_eq!(ids[..n], rc.ids[..], "routing ids {what}");
-    let weights = gpu.download_buf(&rg.weights).expect("weights");
+    let weights = gpu.download_buf(weights).expect("weights");
     close(
         &format!("routing weights {what}"),
         &weights[..n],

@@ -9,6 +9,7 @@
 pub mod device;
 pub mod nvrtc;
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -179,12 +180,24 @@ struct Split {
     sum: DevBuf<f32>,
 }
 
+/// Each token's chosen experts and their weights. Read them through `CudaBackend::routing`:
+/// one token's routing may still be pending (`deferred`).
 pub struct CudaRouting {
-    pub ids: DevBuf<i32>,
-    pub weights: DevBuf<f32>,
+    ids: DevBuf<i32>,
+    weights: DevBuf<f32>,
     pub tokens: usize,
     pub top_k: usize,
     pub num_experts: usize,
+    /// One token's router logits, routed by the first kernel that reads the routing: the expert
+    /// gate/up kernel of decode routes them itself (`moe_gate_up_stream`, kernels/quant.cu) and
+    /// writes `ids` and `weights`; any other reader routes them first (`CudaBackend::settle`).
+    /// Until then `ids` and `weights` are unwritten.
+    deferred: Cell<Option<DeferredRoute>>,
+}
+
+struct DeferredRoute {
+    logits: CudaTensor,
+    renormalize: bool,
 }
 
 /// The compiled kernels, looked up once at start.
@@ -463,6 +476,9 @@ pub struct CudaBackend {
     params: CudaSlice<i32>,
     /// The ticket counter of `router_topk` (zero between launches: the last block resets it).
     route_done: CudaSlice<u32>,
+    /// One token's routing deferred to the expert gate/up kernel (`CudaRouting::deferred`);
+    /// `LILY_CUDA_DEFER_ROUTE=0` routes in the router product's last block instead.
+    defer_route: bool,
     /// `moe_down_mix`'s ticket counters, one per block of rows (zero between launches, as
     /// `route_done`).
     mix_counters: CudaSlice<u32>,
@@ -900,6 +916,7 @@ impl CudaBackend {
             sms,
             params,
             route_done,
+            defer_route: std::env::var("LILY_CUDA_DEFER_ROUTE").map_or(true, |v| v != "0"),
             mix_counters,
             step: Mutex::new(StepState::default()),
             capturing: AtomicBool::new(false),
@@ -919,6 +936,32 @@ impl CudaBackend {
 
     pub fn device(&self) -> &CudaDevice {
         &self.dev
+    }
+
+    /// The routing's ids and weights (`[tokens][top_k]`), routed first if still pending.
+    pub fn routing<'a>(&self, rt: &'a CudaRouting) -> Result<(&'a DevBuf<i32>, &'a DevBuf<f32>)> {
+        self.settle(rt)?;
+        Ok((&rt.ids, &rt.weights))
+    }
+
+    /// Routes a pending token's logits into `rt.ids` and `rt.weights` (`moe_route`).
+    fn settle(&self, rt: &CudaRouting) -> Result<()> {
+        let Some(d) = rt.deferred.take() else {
+            return Ok(());
+        };
+        launch!(
+            self,
+            self.k.moe_route,
+            cfg((1, 1), 32, 0),
+            [
+                self.ptr(&d.logits.buf),
+                self.ptr(&rt.ids),
+                self.ptr(&rt.weights),
+                rt.num_experts as i32,
+                rt.top_k as i32,
+                d.renormalize as i32
+            ]
+        )
     }
 
     /// Launches `f` on the stream (through `launch!`, which lists the arguments).
@@ -1138,6 +1181,10 @@ impl CudaBackend {
             }
             None => (none, none, none, 0, 0),
         };
+        // One token's pending routing is done by the gate/up kernel below; any other path
+        // routes first.
+        let deferred = if t == 1 { rt.deferred.take() } else { None };
+        self.settle(rt)?;
         let pairs = t * rt.top_k;
         let with_shared = shared.is_some();
         let all = pairs + if with_shared { t } else { 0 };
@@ -1196,7 +1243,11 @@ impl CudaBackend {
                 (stride.div_ceil(rows_per_block) as u32, all as u32),
             )
         };
-        let args: [&dyn KernelArg; 13] = [
+        let (logits, renormalize) = match &deferred {
+            Some(d) => (self.ptr(&d.logits.buf), d.renormalize),
+            None => (0, false),
+        };
+        let args: [&dyn KernelArg; 17] = [
             &self.qarg(gate),
             &self.qarg(up),
             &sgate,
@@ -1210,11 +1261,17 @@ impl CudaBackend {
             &(inter_s as i32),
             &(hidden as i32),
             &nrm,
+            &logits,
+            &(rt.num_experts as i32),
+            &(renormalize as i32),
+            &self.ptr(&rt.weights),
         ];
-        // SAFETY: both kernels take (QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
+        // SAFETY: both kernels take (QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
         // const float* x, float* act, int top_k, int pairs, int inter, int inter_s,
-        // int hidden, RowNorm nrm) and gemv_smem_bytes(hidden) of shared memory; act holds all
-        // pairs' rows of `stride`.
+        // int hidden, RowNorm nrm, const float* logits, int experts, int renormalize,
+        // float* weights) and gemv_smem_bytes(hidden) of shared memory; act holds all pairs'
+        // rows of `stride`; the generic kernel gets no logits (the routing is settled above
+        // unless t == 1).
         unsafe {
             self.launch(
                 f,
@@ -2904,6 +2961,7 @@ impl Backend for CudaBackend {
             tokens: t,
             top_k,
             num_experts: e,
+            deferred: Cell::new(None),
         })
     }
 
@@ -2929,10 +2987,37 @@ impl Backend for CudaBackend {
             GEMV_SHAPES[1].rows_per_block,
             1,
         )?;
-        let [_logits, shared_gate_logit] = products(outs)?;
+        let [logits, shared_gate_logit] = products(outs)?;
         let ids = self.tmp::<i32>(top_k)?;
         let weights = self.tmp::<f32>(top_k)?;
         let (h_ptr, nrm) = self.row_input(h);
+        let bytes = qbytes(router.rows, router.cols, router.bits)
+            + qbytes(shared_gate.rows, shared_gate.cols, shared_gate.bits);
+        if self.defer_route {
+            // The product alone; the expert gate/up kernel routes its logits.
+            launch!(
+                self,
+                self.k.gemv_batch[b][1],
+                cfg((blocks as u32, 1), 256, gemv_smem_bytes(h.cols)),
+                [batch, h_ptr, h.cols as i32, nrm],
+                bytes = bytes
+            )?;
+            let deferred = Cell::new(Some(DeferredRoute {
+                logits,
+                renormalize,
+            }));
+            return Ok((
+                CudaRouting {
+                    ids,
+                    weights,
+                    tokens: 1,
+                    top_k,
+                    num_experts: e,
+                    deferred,
+                },
+                shared_gate_logit,
+            ));
+        }
         launch!(
             self,
             self.k.router_topk[b],
@@ -2949,8 +3034,7 @@ impl Backend for CudaBackend {
                 renormalize as i32,
                 nrm
             ],
-            bytes = qbytes(router.rows, router.cols, router.bits)
-                + qbytes(shared_gate.rows, shared_gate.cols, shared_gate.bits)
+            bytes = bytes
         )?;
         Ok((
             CudaRouting {
@@ -2959,6 +3043,7 @@ impl Backend for CudaBackend {
                 tokens: 1,
                 top_k,
                 num_experts: e,
+                deferred: Cell::new(None),
             },
             shared_gate_logit,
         ))

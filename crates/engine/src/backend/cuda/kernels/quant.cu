@@ -537,6 +537,9 @@ extern "C" __global__ void q8_embed(const u32* codes, const u16* scales, const u
     embed_rows<8>({codes, scales, biases}, ids, out, cols);
 }
 
+__device__ __forceinline__ void route_token_any(const float* l, int experts, int top_k, int renormalize, int* ids,
+                                                float* weights);
+
 // ---- the mixture-of-experts block. Pair p < pairs is token p / top_k's (p % top_k)-th chosen
 // expert ids[p]; pair pairs + t is token t's shared expert (its own matrices, `inter_s` rows).
 // Activations act[p] hold `stride` = max(inter, inter_s) floats, outputs y[p] `hidden`.
@@ -585,12 +588,21 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 // per-pair blocks takes 1.45 waves (three blocks of 68 registers a thread fit an SM). Launch
 // with 256 threads, 2 blocks per SM and gemv_smem_bytes(hidden) of shared memory. The kernels
 // take moe_gate_up's arguments (top_k unused: one token's pairs are its top k).
+//
+// With `logits` (the router's `experts` logits), the token is routed here rather than by the
+// router product: every block's first warp routes it (route_token_any, into shared memory) right
+// after the wait, and block 0 writes the choice to `ids` and `weights` for the kernels after.
+// The router product then ends with its last row instead of a ticket, a fence and a reload from
+// L2 by its last block, which the whole expert block waited behind.
 template <int BITS>
-__device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids,
+__device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
                                                    const float* x, float* act, int pairs, int inter, int inter_s,
-                                                   int hidden, const RowNorm& nrm) {
+                                                   int hidden, const RowNorm& nrm, const float* logits, int experts,
+                                                   int renormalize, float* weights) {
     using Rows = QRows<BITS, 1, 2, 32>;
     extern __shared__ float xs[];
+    __shared__ int routed[32];
+    __shared__ float routed_weights[32];
     const int shared_rows = sgate.codes ? inter_s : 0;
     const int total = shared_rows + pairs * inter, stride = max(inter, inter_s);
     const int step = (int)(gridDim.x * (blockDim.x >> 5));
@@ -599,22 +611,39 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
         int p, r;
         Rows g, u;
     };
+    const int* chosen = logits ? routed : ids;
     auto row_at = [&](int g) {
         if (g < shared_rows) return Row{pairs, g, Rows(sgate, g, inter_s, hidden), Rows(sup, g, inter_s, hidden)};
         const int q = g - shared_rows, p = q / inter, r = q % inter;
-        const size_t e = (size_t)ids[p];
+        const size_t e = (size_t)chosen[p];
         return Row{p, r, Rows(expert_slice<BITS>(gate, e, inter, hidden), r, inter, hidden),
                    Rows(expert_slice<BITS>(up, e, inter, hidden), r, inter, hidden)};
     };
     int g = warp_in_grid();
     const bool early = g < shared_rows;
-    if (!early) pdl_wait();
-    Row cur = row_at(min(g, total - 1));
-    if (g < total) {
+    // The shared expert's rows are fetched before the wait; a routed row only once its expert is
+    // known (a placeholder until then, which loads nothing).
+    Row cur = early ? row_at(g) : Row{pairs, 0, Rows(sgate, 0, inter_s, hidden), Rows(sup, 0, inter_s, hidden)};
+    if (early) {
         cur.g.load(0);
         cur.u.load(0);
     }
-    if (early) pdl_wait();
+    pdl_wait();
+    if (logits) {
+        if (threadIdx.x < 32) route_token_any(logits, experts, pairs, renormalize, routed, routed_weights);
+        __syncthreads();
+        if (blockIdx.x == 0 && (int)threadIdx.x < pairs) {
+            ids[threadIdx.x] = routed[threadIdx.x];
+            weights[threadIdx.x] = routed_weights[threadIdx.x];
+        }
+    }
+    if (!early) {
+        cur = row_at(min(g, total - 1));
+        if (g < total) {
+            cur.g.load(0);
+            cur.u.load(0);
+        }
+    }
     const float scale = stage_input<BITS>(xs, x, hidden, nrm);
     for (; g < total; g += step) {
         Row next = row_at(min(g + step, total - 1));
@@ -629,17 +658,21 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
     }
 }
 
-extern "C" __global__ void GEMV_BOUNDS(2) q4_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup,
-                                                              const int* ids, const float* x, float* act, int top_k,
-                                                              int pairs, int inter, int inter_s, int hidden,
-                                                              RowNorm nrm) {
-    moe_gate_up_stream<4>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden, nrm);
+extern "C" __global__ void GEMV_BOUNDS(2) q4_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
+                                                              const float* x, float* act, int top_k, int pairs,
+                                                              int inter, int inter_s, int hidden, RowNorm nrm,
+                                                              const float* logits, int experts, int renormalize,
+                                                              float* weights) {
+    moe_gate_up_stream<4>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden, nrm, logits, experts,
+                          renormalize, weights);
 }
-extern "C" __global__ void GEMV_BOUNDS(2) q8_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup,
-                                                              const int* ids, const float* x, float* act, int top_k,
-                                                              int pairs, int inter, int inter_s, int hidden,
-                                                              RowNorm nrm) {
-    moe_gate_up_stream<8>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden, nrm);
+extern "C" __global__ void GEMV_BOUNDS(2) q8_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
+                                                              const float* x, float* act, int top_k, int pairs,
+                                                              int inter, int inter_s, int hidden, RowNorm nrm,
+                                                              const float* logits, int experts, int renormalize,
+                                                              float* weights) {
+    moe_gate_up_stream<8>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden, nrm, logits, experts,
+                          renormalize, weights);
 }
 
 // y[p][r] = down[r] . act[p]. Launch with 256 threads, (ceil(hidden / ROWS_PER_BLOCK),
@@ -677,14 +710,14 @@ __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, 
     extern "C" __global__ void GEMV_BOUNDS(GATE_UP_MIN_BLOCKS(LANES, MIN_BLOCKS))                        \
         q4_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids, const float* x, \
                                float* act, int top_k, int pairs, int inter, int inter_s, int hidden,    \
-                               RowNorm nrm) {                                                           \
+                               RowNorm nrm, const float*, int, int, float*) {                          \
         moe_gate_up<4, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,   \
                                               inter_s, hidden, nrm);                                    \
     }                                                                                                   \
     extern "C" __global__ void GEMV_BOUNDS(GATE_UP_MIN_BLOCKS(LANES, MIN_BLOCKS))                        \
         q8_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids, const float* x, \
                                float* act, int top_k, int pairs, int inter, int inter_s, int hidden,    \
-                               RowNorm nrm) {                                                           \
+                               RowNorm nrm, const float*, int, int, float*) {                          \
         moe_gate_up<8, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,   \
                                               inter_s, hidden, nrm);                                    \
     }                                                                                                   \
