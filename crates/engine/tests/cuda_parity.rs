@@ -968,8 +968,9 @@ fn router_product_with_its_routing_matches() {
         return;
     };
     let mut rng = StdRng::seed_from_u64(31);
-    // (experts, top_k, hidden, bits, renormalise): one token routes in the router product's
-    // last block on CUDA; more tokens, or more experts than columns, take the two launches.
+    // (experts, top_k, hidden, bits, renormalise): one token's routing is left pending by the
+    // router product on CUDA and done when read (here by `routing`, in a MoE block by its
+    // gate/up kernel); more tokens take the product and the routing launch.
     for (e, k, hidden, bits, renorm) in [
         (256, 8, 2048, 8, true),
         (8, 4, 192, 4, true),

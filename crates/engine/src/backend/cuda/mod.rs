@@ -213,8 +213,6 @@ struct Kernels {
     gemv_stream: [CudaFunction; 2],
     gemv_batch_stream: [CudaFunction; 2],
     moe_gate_up_stream: [CudaFunction; 2],
-    /// `[bits]`: one token's router product with its top-k (`router_topk`).
-    router_topk: [CudaFunction; 2],
     /// Tensor-core products for prefill (kernels/qmma.cu): the warpgroup (`wgmma`) kernels on
     /// sm_90a, the `mma` ones elsewhere, with 64 token slots a tile; and on sm_90a the 16-slot
     /// tiles for products whose 64-slot grid would leave SMs idle (`ProductShapes::pick`).
@@ -362,7 +360,6 @@ impl Kernels {
             gemv_stream: pair("gemv_stream")?,
             gemv_batch_stream: pair("gemv_batch_stream")?,
             moe_gate_up_stream: pair("moe_gate_up_stream")?,
-            router_topk: pair("router_topk")?,
             products,
             embed: pair("embed")?,
             moe_gate_up: variants("moe_gate_up")?,
@@ -474,13 +471,8 @@ pub struct CudaBackend {
     /// `[token, position]` of the decode step being recorded or replayed: recorded kernels read
     /// them from here, so one recording serves every step.
     params: CudaSlice<i32>,
-    /// The ticket counter of `router_topk` (zero between launches: the last block resets it).
-    route_done: CudaSlice<u32>,
-    /// One token's routing deferred to the expert gate/up kernel (`CudaRouting::deferred`);
-    /// `LILY_CUDA_DEFER_ROUTE=0` routes in the router product's last block instead.
-    defer_route: bool,
-    /// `moe_down_mix`'s ticket counters, one per block of rows (zero between launches, as
-    /// `route_done`).
+    /// `moe_down_mix`'s ticket counters, one per block of rows (zero between launches: the
+    /// last block of each resets it).
     mix_counters: CudaSlice<u32>,
     step: Mutex<StepState>,
     /// Set while a decode step is being recorded: temporaries come from the arena, and the
@@ -812,8 +804,9 @@ const STREAM_MIN_BLOCKS_PER_SM: usize = 8;
 /// weights through the matrix-vector kernels, as decode does).
 const MMA_MIN_TOKENS: usize = 8;
 /// One token's MoE outputs mixed into the residual by `moe_down_mix` (kernels/quant.cu): rows
-/// per block (`MIX_ROWS`), the pairs it mixes at most (`MIX_MAX_PAIRS`), and the blocks of rows
-/// its ticket counters serve.
+/// per block (`MIX_ROWS`), the pairs it mixes at most with the shared expert's (all of them
+/// loaded at once: `MIX_LOADS`, kernels/common.cuh), and the blocks of rows its ticket counters
+/// serve.
 const MIX_ROWS_PER_BLOCK: usize = 64;
 const MIX_MAX_PAIRS: usize = 10;
 const MIX_COUNTERS: usize = 1024;
@@ -893,10 +886,6 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<i32>(2)
             .map_err(driver("allocation"))?;
-        let route_done = dev
-            .stream
-            .alloc_zeros::<u32>(1)
-            .map_err(driver("allocation"))?;
         let mix_counters = dev
             .stream
             .alloc_zeros::<u32>(MIX_COUNTERS)
@@ -915,8 +904,6 @@ impl CudaBackend {
             k,
             sms,
             params,
-            route_done,
-            defer_route: std::env::var("LILY_CUDA_DEFER_ROUTE").map_or(true, |v| v != "0"),
             mix_counters,
             step: Mutex::new(StepState::default()),
             capturing: AtomicBool::new(false),
@@ -2975,9 +2962,9 @@ impl Backend for CudaBackend {
     ) -> Result<(CudaRouting, CudaTensor)> {
         let e = router.rows;
         check_routing(e, top_k)?;
-        // One token: the routing runs in the product's last block (kernels/quant.cu,
-        // router_topk), which copies the logits into x's shared memory (e <= columns).
-        if h.rows != 1 || router.bits != shared_gate.bits || e > h.cols {
+        // One token: both products in one launch, the routing left to the expert gate/up
+        // kernel that reads it (`CudaRouting::deferred`).
+        if h.rows != 1 || router.bits != shared_gate.bits {
             return route_tokens_separately(self, h, router, shared_gate, top_k, renormalize);
         }
         let b = self.check_q(h.cols, router)?;
@@ -2988,65 +2975,28 @@ impl Backend for CudaBackend {
             1,
         )?;
         let [logits, shared_gate_logit] = products(outs)?;
-        let ids = self.tmp::<i32>(top_k)?;
-        let weights = self.tmp::<f32>(top_k)?;
         let (h_ptr, nrm) = self.row_input(h);
-        let bytes = qbytes(router.rows, router.cols, router.bits)
-            + qbytes(shared_gate.rows, shared_gate.cols, shared_gate.bits);
-        if self.defer_route {
-            // The product alone; the expert gate/up kernel routes its logits.
-            launch!(
-                self,
-                self.k.gemv_batch[b][1],
-                cfg((blocks as u32, 1), 256, gemv_smem_bytes(h.cols)),
-                [batch, h_ptr, h.cols as i32, nrm],
-                bytes = bytes
-            )?;
-            let deferred = Cell::new(Some(DeferredRoute {
-                logits,
-                renormalize,
-            }));
-            return Ok((
-                CudaRouting {
-                    ids,
-                    weights,
-                    tokens: 1,
-                    top_k,
-                    num_experts: e,
-                    deferred,
-                },
-                shared_gate_logit,
-            ));
-        }
+        // The product alone; the expert gate/up kernel routes its logits (`deferred`).
         launch!(
             self,
-            self.k.router_topk[b],
+            self.k.gemv_batch[b][1],
             cfg((blocks as u32, 1), 256, gemv_smem_bytes(h.cols)),
-            [
-                batch,
-                h_ptr,
-                h.cols as i32,
-                self.ptr(&ids),
-                self.ptr(&weights),
-                self.ptr(&self.route_done),
-                e as i32,
-                top_k as i32,
-                renormalize as i32,
-                nrm
-            ],
-            bytes = bytes
+            [batch, h_ptr, h.cols as i32, nrm],
+            bytes = qbytes(router.rows, router.cols, router.bits)
+                + qbytes(shared_gate.rows, shared_gate.cols, shared_gate.bits)
         )?;
-        Ok((
-            CudaRouting {
-                ids,
-                weights,
-                tokens: 1,
-                top_k,
-                num_experts: e,
-                deferred: Cell::new(None),
-            },
-            shared_gate_logit,
-        ))
+        let routing = CudaRouting {
+            ids: self.tmp::<i32>(top_k)?,
+            weights: self.tmp::<f32>(top_k)?,
+            tokens: 1,
+            top_k,
+            num_experts: e,
+            deferred: Cell::new(Some(DeferredRoute {
+                logits,
+                renormalize,
+            })),
+        };
+        Ok((routing, shared_gate_logit))
     }
 
     fn moe_experts(

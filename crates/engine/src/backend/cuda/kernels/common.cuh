@@ -33,12 +33,16 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total,
+// the warps' sums added in order. REUSED: another call may come before or after this one in the
+// kernel (a barrier first, as `part` may still be read by the previous one); a kernel's only call
+// skips it.
+template <bool REUSED = true>
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float part[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     v = warp_sum(v);
-    __syncthreads();  // part may still be read by a previous call
+    if (REUSED) __syncthreads();
     if (lane == 0) part[warp] = v;
     __syncthreads();
     float s = 0.f;
@@ -47,6 +51,28 @@ __device__ __forceinline__ float block_sum(float v) {
 }
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// One token's MoE output at one column: its top_k pairs' values load(j) mixed by weights[j] in the
+// order j = 0..top_k-1 (as moe_combine and the CPU reference add them), then, with a shared expert
+// (shared_logit not null), load_shared() gated by sigmoid(*shared_logit) added. The first
+// MIX_LOADS values and the shared one are loaded before any is summed. moe_combine_add_rms_norm
+// (pointwise.cu) and moe_down_mix (quant.cu) mix with it.
+#define MIX_LOADS 10
+template <class Load, class LoadShared>
+__device__ __forceinline__ float moe_mix(const float* weights, int top_k, const float* shared_logit, Load load,
+                                         LoadShared load_shared) {
+    float yv[MIX_LOADS];
+#pragma unroll
+    for (int j = 0; j < MIX_LOADS; ++j) yv[j] = j < top_k ? load(j) : 0.f;
+    const float s = shared_logit ? load_shared() : 0.f;
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < MIX_LOADS; ++j)
+        if (j < top_k) acc = fmaf(weights[j], yv[j], acc);
+    for (int j = MIX_LOADS; j < top_k; ++j) acc = fmaf(weights[j], load(j), acc);
+    if (shared_logit) acc += s / (1.f + expf(-shared_logit[0]));
+    return acc;
+}
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // (value, index) packed in a u64 that orders as "larger value, then lower index" (NaN excluded by

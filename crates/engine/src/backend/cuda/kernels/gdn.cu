@@ -122,6 +122,25 @@ __device__ __forceinline__ float gdn_token_step(float4 (&s)[NJ], const float4* k
     return o;
 }
 
+// The thread's part of state row `row` of value head h into s, read before the wait for the
+// previous kernel as conv1d_silu reads its window: only this layer's recurrence writes the state,
+// a step or chunk earlier. Returns where the part goes back (gdn_store_state).
+template <int DK, int NJ>
+__device__ __forceinline__ float4* gdn_load_state(float* state, int h, int row, int part, int dv, bool live,
+                                                  float4 (&s)[NJ]) {
+    float4* st = reinterpret_cast<float4*>(state + ((size_t)h * dv + row) * DK);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) s[j] = live ? st[part + GDN_TPR * j] : make_float4(0.f, 0.f, 0.f, 0.f);
+    return st;
+}
+
+template <int NJ>
+__device__ __forceinline__ void gdn_store_state(float4* st, int part, bool live, const float4 (&s)[NJ]) {
+    if (live)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) st[part + GDN_TPR * j] = s[j];
+}
+
 // gdn_recurrence_impl for one token (decode): the thread's parts of q and k straight into
 // registers, normalised there by every row's 16 threads alike, and the gates computed by each
 // thread, instead of the chunk's staging through shared memory and its two barriers. The same
@@ -135,11 +154,8 @@ __device__ __forceinline__ void gdn_step_one(const float* qkv, const float* a, c
     const int r = tid / GDN_TPR, part = tid % GDN_TPR, row = blockIdx.y * GDN_ROWS + r;
     const int kh = h / (hv / hk), kd = hk * DK;
     const bool live = row < dv;
-    float4* st = reinterpret_cast<float4*>(state + ((size_t)h * dv + row) * DK);
-    // The state and the gate parameters before the wait (gdn_recurrence_impl says why).
     float4 s[NJ];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) s[j] = live ? st[part + GDN_TPR * j] : make_float4(0.f, 0.f, 0.f, 0.f);
+    float4* st = gdn_load_state<DK>(state, h, row, part, dv, live, s);
     const float qscale = rsqrtf((float)DK), neg_a = -expf(a_log[h]), dtb = dt_bias[h];
     pdl_wait();
     const float4* in = reinterpret_cast<const float4*>(qkv);
@@ -170,9 +186,7 @@ __device__ __forceinline__ void gdn_step_one(const float* qkv, const float* a, c
     }
     const float o = gdn_token_step<NJ, 1>(s, k, q, v, decay, beta);
     if (part == 0 && live) y[(size_t)h * dv + row] = o;
-    if (live)
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) st[part + GDN_TPR * j] = s[j];
+    gdn_store_state(st, part, live, s);
 }
 
 template <int DK>
@@ -187,12 +201,8 @@ __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const floa
     const int r = tid / GDN_TPR, part = tid % GDN_TPR, row = blockIdx.y * GDN_ROWS + r;
     const int kh = h / (hv / hk), kd = hk * DK, cols = 2 * kd + hv * dv;
     const bool live = row < dv;
-    float4* st = reinterpret_cast<float4*>(state + ((size_t)h * dv + row) * DK);
-    // The state and the gate parameters before the wait for the previous kernel, as conv1d_silu
-    // reads its window: only this layer's recurrence writes the state, a step or chunk earlier.
     float4 s[NJ];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) s[j] = live ? st[part + GDN_TPR * j] : make_float4(0.f, 0.f, 0.f, 0.f);
+    float4* st = gdn_load_state<DK>(state, h, row, part, dv, live, s);  // and the gates' parameters: before the wait
     const float qscale = rsqrtf((float)DK), neg_a = -expf(a_log[h]), dtb = dt_bias[h];
     pdl_wait();
     auto fetch = [&](int t0, GdnChunk<DK>& c) {
@@ -259,9 +269,7 @@ __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const floa
             if (part == 0 && live) y[(size_t)(t0 + t) * hv * dv + h * dv + row] = o;
         }
     }
-    if (live)
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) st[part + GDN_TPR * j] = s[j];
+    gdn_store_state(st, part, live, s);
 }
 
 // Key dims 64, 128 and 256. Launch with 128 threads and (Hv, ceil(dv / 8)) blocks.

@@ -94,9 +94,7 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
 // next norm: one block per token t over y [pairs (+ tokens), cols] (pair t * top_k + j is token
 // t's j-th expert; with a shared expert, pair pairs + t is its output, gated by
 // sigmoid(shared_logit[t])). One block reads the row's k + 1 outputs, so they are loaded all at
-// once: two columns a thread (cols <= 2 * blockDim.x), the first MIX_LOADS experts' values
-// issued together before any is summed.
-constexpr int MIX_LOADS = 10;
+// once: two columns a thread (cols <= 2 * blockDim.x), mixed by moe_mix (common.cuh).
 extern "C" __global__ void moe_combine_add_rms_norm(const float* y, const float* weights, const float* shared_logit,
                                                     float* x, const float* w, float* out, int cols, int top_k,
                                                     float eps) {
@@ -105,17 +103,9 @@ extern "C" __global__ void moe_combine_add_rms_norm(const float* y, const float*
     const float* yt = y + t * top_k * cols;
     const float* ys = y + (pairs + t) * cols;
     add_rms_norm_row<2>(x, w, out, cols, eps, [&](int c) {
-        float yv[MIX_LOADS];
-#pragma unroll
-        for (int j = 0; j < MIX_LOADS; ++j) yv[j] = j < top_k ? yt[(size_t)j * cols + c] : 0.f;
-        const float s = shared_logit ? ys[c] : 0.f;
-        float acc = 0.f;
-#pragma unroll
-        for (int j = 0; j < MIX_LOADS; ++j)
-            if (j < top_k) acc = fmaf(wt[j], yv[j], acc);
-        for (int j = MIX_LOADS; j < top_k; ++j) acc = fmaf(wt[j], yt[(size_t)j * cols + c], acc);
-        if (shared_logit) acc += s / (1.f + expf(-shared_logit[t]));
-        return acc;
+        return moe_mix(
+            wt, top_k, shared_logit ? shared_logit + t : nullptr, [&](int j) { return yt[(size_t)j * cols + c]; },
+            [&] { return ys[c]; });
     });
 }
 

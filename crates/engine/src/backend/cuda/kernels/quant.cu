@@ -359,7 +359,7 @@ __device__ __forceinline__ void qgemv_batch(const QBatch& b, const float* __rest
     mat.load(0);
     pdl_wait();
     const float scale = stage_input<BITS>(xs, x, cols, nrm);
-    if (warp_idle<R, LANES>(warp, rows)) return;  // from this function: router_topk's tail still runs
+    if (warp_idle<R, LANES>(warp, rows)) return;
     float acc[R] = {};
     mat.run(xs, acc);
 #pragma unroll
@@ -423,9 +423,8 @@ extern "C" __global__ void GEMV_BOUNDS(2) q8_gemv_batch_stream(QBatch b, const f
     qgemv_batch_stream<8>(b, x, cols, nrm);
 }
 
-// ---- the last block. Work that needs other blocks' results (the routing of all the router's
-// logits; the mix of a block of rows' expert outputs) is done by the block that finishes last
-// instead of in a launch of its own.
+// ---- the last block. Work that needs other blocks' results (the mix of a block of rows' expert
+// outputs) is done by the block that finishes last instead of in a launch of its own.
 
 // A load from L2, past this SM's L1 (which may hold an older copy of a buffer another SM wrote).
 __device__ __forceinline__ float load_cg(const float* p) {
@@ -450,17 +449,10 @@ __device__ __forceinline__ bool last_block(u32* counter, u32 blocks) {
 }
 
 // The sum over the block of each thread's v into partials[blockIdx.x] (RowNorm's partial sums of
-// squares), in a fixed order. Every thread of the block calls it.
+// squares), in a fixed order. Every thread of the block calls it, once in the kernel.
 __device__ __forceinline__ void block_total_to(float* partials, float v) {
-    __shared__ float part[32];
-    const float s = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float t = 0.f;
-        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += part[w];
-        partials[blockIdx.x] = t;
-    }
+    const float t = block_sum<false>(v);
+    if (threadIdx.x == 0) partials[blockIdx.x] = t;
 }
 
 // x_out[r] = x_in[r] + w[r] . y for one token: a mixer's output projection added to the
@@ -481,9 +473,7 @@ __device__ __forceinline__ void qgemv_add_sumsq(QMat w, const float* __restrict_
         res[r] = m.writer(r) ? x_in[m.row0 + r] : 0.f;
         gain[r] = m.writer(r) ? gains[m.row0 + r] : 0.f;
     }
-    stage_x<BITS>(xs, y, cols);
-    __syncthreads();
-    pdl_launch_dependents();  // only now: see "When the next kernel launches"
+    stage_input<BITS>(xs, y, cols, RowNorm{});  // y is the plain row: no scale
     float sq = 0.f;
     if (!warp_idle<R, LANES>(warp_in_grid(), rows)) {
         float acc[R] = {};
@@ -592,8 +582,9 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 // With `logits` (the router's `experts` logits), the token is routed here rather than by the
 // router product: every block's first warp routes it (route_token_any, into shared memory) right
 // after the wait, and block 0 writes the choice to `ids` and `weights` for the kernels after.
-// The router product then ends with its last row instead of a ticket, a fence and a reload from
-// L2 by its last block, which the whole expert block waited behind.
+// The router product then ends with its last row: routing in its last block (a ticket, a fence
+// and a reload of the logits from L2 first) held the whole expert block back longer
+// (docs/performance.md, session 17). Routing in every block costs no more than reading the ids.
 template <int BITS>
 __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
                                                    const float* x, float* act, int pairs, int inter, int inter_s,
@@ -741,7 +732,6 @@ GEMV_VARIANTS(MOE_KERNELS)
 // ticket from counters[blockIdx.x]), one thread a row, reading the other blocks' outputs from L2.
 // Launch as moe_down's h16 variant, with (ceil(hidden / MIX_ROWS), top_k + shared) blocks.
 #define MIX_ROWS 64
-#define MIX_MAX_PAIRS 10
 template <int BITS>
 __device__ __forceinline__ void moe_down_mix(QMat down, QMat sdown, const int* ids, const float* weights,
                                              const float* shared_logit, const float* act, float* y,
@@ -750,25 +740,14 @@ __device__ __forceinline__ void moe_down_mix(QMat down, QMat sdown, const int* i
                                              int hidden) {
     moe_down<BITS, 4, 1, 16>(down, sdown, ids, act, y, top_k, inter, inter_s, hidden);
     if (!last_block(counters + blockIdx.x, gridDim.y)) return;
-    const bool with_shared = sdown.codes != nullptr;
     const int row = blockIdx.x * MIX_ROWS + threadIdx.x;
     float sq = 0.f;
     if (threadIdx.x < MIX_ROWS && row < hidden) {
-        float yv[MIX_MAX_PAIRS];
-#pragma unroll
-        for (int j = 0; j < MIX_MAX_PAIRS; ++j)
-            yv[j] = j < top_k + (with_shared ? 1 : 0) ? load_cg(y + (size_t)j * hidden + row) : 0.f;
-        float acc = 0.f;
-#pragma unroll
-        for (int j = 0; j < MIX_MAX_PAIRS - 1; ++j)
-            if (j < top_k) acc = fmaf(weights[j], yv[j], acc);
-        if (with_shared) {
-            float ys = yv[0];
-#pragma unroll
-            for (int j = 1; j < MIX_MAX_PAIRS; ++j)
-                if (j == top_k) ys = yv[j];
-            acc += ys / (1.f + expf(-shared_logit[0]));
-        }
+        // The pairs' outputs (the shared expert's after them) from L2: other blocks wrote them.
+        const float acc = moe_mix(
+            weights, top_k, sdown.codes ? shared_logit : nullptr,
+            [&](int j) { return load_cg(y + (size_t)j * hidden + row); },
+            [&] { return load_cg(y + (size_t)top_k * hidden + row); });
         const float v = x_in[row] + acc;
         x_out[row] = v;
         xg[row] = v * gains[row];
@@ -885,32 +864,4 @@ extern "C" __global__ void moe_route(const float* logits, int* ids, float* weigh
     grid_dep();
     const size_t t = blockIdx.x;
     route_token_any(logits + t * experts, experts, top_k, renormalize, ids + t * top_k, weights + t * top_k);
-}
-
-// One token's router product and its routing in one launch: qgemv_batch over the router (matrix
-// 0, `experts` rows) and the shared-expert gate, one row per warp; then the block that finishes
-// last (a ticket from `done`, which it sets back to 0) copies the logits into shared memory and
-// routes them (route_token_any), so the expert kernels wait on one launch instead of two. Launch as
-// qgemv_batch's r1 variant; experts <= cols (the logits reuse x's shared memory).
-template <int BITS>
-__device__ __forceinline__ void router_topk(const QBatch& b, const float* x, int cols, int* ids, float* weights,
-                                            u32* done, int experts, int top_k, int renormalize,
-                                            const RowNorm& nrm) {
-    extern __shared__ float xs[];
-    qgemv_batch<BITS, 1, 4, 32>(b, x, cols, nrm);
-    if (!last_block(done, gridDim.x)) return;
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) xs[e] = load_cg(b.y[0] + e);
-    __syncthreads();
-    if (threadIdx.x < 32) route_token_any(xs, experts, top_k, renormalize, ids, weights);
-}
-
-extern "C" __global__ void GEMV_BOUNDS(3) q4_router_topk(QBatch b, const float* x, int cols, int* ids,
-                                                       float* weights, u32* done, int experts, int top_k,
-                                                       int renormalize, RowNorm nrm) {
-    router_topk<4>(b, x, cols, ids, weights, done, experts, top_k, renormalize, nrm);
-}
-extern "C" __global__ void GEMV_BOUNDS(3) q8_router_topk(QBatch b, const float* x, int cols, int* ids,
-                                                       float* weights, u32* done, int experts, int top_k,
-                                                       int renormalize, RowNorm nrm) {
-    router_topk<8>(b, x, cols, ids, weights, done, experts, top_k, renormalize, nrm);
 }
