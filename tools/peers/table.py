@@ -176,6 +176,19 @@ def build(d: str):
     }
 
 
+
+def llama_source(lmeta, machine):
+    """What llama.cpp was: llama-bench's build commit, or, where the tree had no git (the pinned
+    sdist's vendored source reports "unknown"), the source line bench_h200.sh wrote into
+    machine.txt ("llama.cpp: ...")."""
+    commit = lmeta.get("build_commit", "?")
+    if commit != "unknown":
+        return commit
+    for line in (machine or "").splitlines():
+        if line.startswith("llama.cpp:"):
+            return "from " + line.split(":", 1)[1].strip()
+    return commit
+
 def markdown(res) -> str:
     rows = res["rows"]
     has_mlx = any(r["mlx_lm"] for r in rows)
@@ -219,7 +232,7 @@ def markdown(res) -> str:
         ub = sorted({(x["n_ubatch"], x["n_batch"]) for x in cells})
         lmeta = res["meta"]["llama_cpp"] or {}
         notes.append(
-            f"llama.cpp {lmeta.get('build_commit', '?')} ({lmeta.get('model_type', '?')}, {lmeta.get('backends', '?')}): "
+            f"llama.cpp {llama_source(lmeta, res.get('machine'))} ({lmeta.get('model_type', '?')}, {lmeta.get('backends', '?')}): "
             f"llama-bench -ngl {c['n_gpu_layers']} -fa {c['flash_attn']}, "
             + ", ".join(f"-ub {u} -b {b}" for u, b in ub)
             + f", mean of {'/'.join(map(str, reps))} reps; prefill = pp<N> on an empty context, "

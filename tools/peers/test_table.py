@@ -117,6 +117,15 @@ class TableTest(unittest.TestCase):
         self.assertIn("mlx-lm decode", md)
         self.assertIn("| 372.0 | 58.2 |", md)
 
+    def test_llama_source(self):
+        # a git checkout's commit as llama-bench reports it; the sdist's tree reports "unknown",
+        # and the source line bench_h200.sh writes into machine.txt names it instead
+        self.assertIn("llama.cpp deadbee (", table.markdown(table.build(self.d)))
+        machine = "gpu: NVIDIA H200\nllama.cpp: llama-cpp-python 0.3.36 sdist\ndate: x"
+        self.assertEqual(table.llama_source({"build_commit": "unknown"}, machine),
+                         "from llama-cpp-python 0.3.36 sdist")
+        self.assertEqual(table.llama_source({"build_commit": "unknown"}, None), "unknown")
+
     def test_empty_dir(self):
         with tempfile.TemporaryDirectory() as d:
             res = table.build(d)
