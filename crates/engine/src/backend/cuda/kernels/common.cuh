@@ -52,6 +52,8 @@ __device__ __forceinline__ float block_sum(float v) {
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
 // One token's MoE output at one column: its top_k pairs' values load(j) mixed by weights[j] in the
 // order j = 0..top_k-1 (as moe_combine and the CPU reference add them), then, with a shared expert
 // (shared_logit not null), load_shared() gated by sigmoid(*shared_logit) added. The first
@@ -73,7 +75,6 @@ __device__ __forceinline__ float moe_mix(const float* weights, int top_k, const 
     if (shared_logit) acc += s / (1.f + expf(-shared_logit[0]));
     return acc;
 }
-__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // (value, index) packed in a u64 that orders as "larger value, then lower index" (NaN excluded by
 // the callers): the value's bits made monotonic in the high half, the index's complement in the

@@ -122,6 +122,35 @@ __device__ __forceinline__ float gdn_token_step(float4 (&s)[NJ], const float4* k
     return o;
 }
 
+// One token's q and k normalised in place by the GDN_TPR threads that share them: q *= qscale / |q|,
+// k /= |k| (l2_eps under each root). q and k hold the thread's float4s, STRIDE apart (as
+// gdn_token_step reads them); with `ok` false the thread holds none (q and k are not read) but
+// takes part in the shuffles.
+template <int NJ, int STRIDE>
+__device__ __forceinline__ void gdn_normalise_qk(float4* q, float4* k, bool ok, float qscale, float l2_eps) {
+    float qq = 0.f, kk = 0.f;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+        if (ok) {
+            const float4 a = q[STRIDE * j], b = k[STRIDE * j];
+            qq += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            kk += b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+        }
+#pragma unroll
+    for (int m = 1; m < GDN_TPR; m <<= 1) {
+        qq += __shfl_xor_sync(0xffffffffu, qq, m);
+        kk += __shfl_xor_sync(0xffffffffu, kk, m);
+    }
+    const float qn = qscale / sqrtf(qq + l2_eps), kn = 1.f / sqrtf(kk + l2_eps);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+        if (ok) {
+            const float4 a = q[STRIDE * j], b = k[STRIDE * j];
+            q[STRIDE * j] = make_float4(a.x * qn, a.y * qn, a.z * qn, a.w * qn);
+            k[STRIDE * j] = make_float4(b.x * kn, b.y * kn, b.z * kn, b.w * kn);
+        }
+}
+
 // The thread's part of state row `row` of value head h into s, read before the wait for the
 // previous kernel as conv1d_silu reads its window: only this layer's recurrence writes the state,
 // a step or chunk earlier. Returns where the part goes back (gdn_store_state).
@@ -160,7 +189,6 @@ __device__ __forceinline__ void gdn_step_one(const float* qkv, const float* a, c
     pdl_wait();
     const float4* in = reinterpret_cast<const float4*>(qkv);
     float4 q[NJ], k[NJ];
-    float qq = 0.f, kk = 0.f;
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
         q[j] = in[kh * D4 + part + GDN_TPR * j];
@@ -168,22 +196,7 @@ __device__ __forceinline__ void gdn_step_one(const float* qkv, const float* a, c
     }
     const float v = live ? qkv[2 * kd + h * dv + row] : 0.f;
     const float decay = expf(neg_a * softplus(a[h] + dtb)), beta = sigmoid(b[h]);
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-        qq += q[j].x * q[j].x + q[j].y * q[j].y + q[j].z * q[j].z + q[j].w * q[j].w;
-        kk += k[j].x * k[j].x + k[j].y * k[j].y + k[j].z * k[j].z + k[j].w * k[j].w;
-    }
-#pragma unroll
-    for (int m = 1; m < GDN_TPR; m <<= 1) {
-        qq += __shfl_xor_sync(0xffffffffu, qq, m);
-        kk += __shfl_xor_sync(0xffffffffu, kk, m);
-    }
-    const float qn = qscale / sqrtf(qq + l2_eps), kn = 1.f / sqrtf(kk + l2_eps);
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-        q[j] = make_float4(q[j].x * qn, q[j].y * qn, q[j].z * qn, q[j].w * qn);
-        k[j] = make_float4(k[j].x * kn, k[j].y * kn, k[j].z * kn, k[j].w * kn);
-    }
+    gdn_normalise_qk<NJ, 1>(q, k, true, qscale, l2_eps);
     const float o = gdn_token_step<NJ, 1>(s, k, q, v, decay, beta);
     if (part == 0 && live) y[(size_t)h * dv + row] = o;
     gdn_store_state(st, part, live, s);
@@ -233,28 +246,7 @@ __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const floa
         // Normalise: sixteen threads per token (every lane takes part in the shuffles).
         for (int base = 0; base < n; base += GDN_ROWS) {
             const int t = base + tid / GDN_TPR;
-            const bool ok = t < n;
-            float qq = 0.f, kk = 0.f;
-#pragma unroll
-            for (int j = 0; j < NJ; ++j)
-                if (ok) {
-                    const float4 q = c.q[t][part + GDN_TPR * j], k = c.k[t][part + GDN_TPR * j];
-                    qq += q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w;
-                    kk += k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w;
-                }
-#pragma unroll
-            for (int m = 1; m < GDN_TPR; m <<= 1) {
-                qq += __shfl_xor_sync(0xffffffffu, qq, m);
-                kk += __shfl_xor_sync(0xffffffffu, kk, m);
-            }
-            const float qn = qscale / sqrtf(qq + l2_eps), kn = 1.f / sqrtf(kk + l2_eps);
-#pragma unroll
-            for (int j = 0; j < NJ; ++j)
-                if (ok) {
-                    const float4 q = c.q[t][part + GDN_TPR * j], k = c.k[t][part + GDN_TPR * j];
-                    c.q[t][part + GDN_TPR * j] = make_float4(q.x * qn, q.y * qn, q.z * qn, q.w * qn);
-                    c.k[t][part + GDN_TPR * j] = make_float4(k.x * kn, k.y * kn, k.z * kn, k.w * kn);
-                }
+            gdn_normalise_qk<NJ, GDN_TPR>(&c.q[t][part], &c.k[t][part], t < n, qscale, l2_eps);
         }
         for (int t = tid; t < n; t += GDN_THREADS) {
             c.a[t] = expf(neg_a * softplus(c.a[t] + dtb));
