@@ -749,6 +749,50 @@ def test_bad_request_is_refused_with_a_named_error(http, case):
     assert_openai_error(r, statuses, needles)
 
 
+def _response_head(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The status line and headers of the next HTTP/1.1 response on `sock` (lowercased), and the
+    body bytes read with them."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection before a response: {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head.lower(), rest
+
+
+def _response(sock: socket.socket) -> bytes:
+    """The head of the next response on `sock`, its body (Content-Length) read off the socket."""
+    head, rest = _response_head(sock)
+    n = int(re.search(rb"content-length: *(\d+)", head).group(1))
+    while len(rest) < n:
+        rest += sock.recv(65536)
+    return head
+
+
+def test_answer_before_the_body_closes_the_connection(server):
+    # The server answers an unknown path at once, before the body it was told of arrives; it then
+    # drops the connection (the body is still on it), so the answer must say so, or a keep-alive
+    # client would send its next request into a closed connection.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: lily\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 14\r\n\r\n")
+        head, _ = _response_head(s)
+    assert head.startswith(b"http/1.1 404"), head
+    assert b"\r\nconnection: close" in head, f"no Connection: close on an answer sent before the body: {head!r}"
+    # An answer given after the body was read keeps the connection for the next request.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        body = b'{"messages": ['
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: lily\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        head = _response(s)
+        assert head.startswith(b"http/1.1 400"), head
+        assert b"connection: close" not in head, head
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: lily\r\n\r\n")
+        head = _response(s)
+        assert head.startswith(b"http/1.1 200"), head
+
+
 def test_prompt_plus_max_tokens_beyond_max_seq(http):
     r = http.post(CHAT, json=chat_body("hi", 100000))
     err = assert_openai_error(r, 400, ("max_tokens", "max-seq", "max_seq", "context"))

@@ -131,7 +131,67 @@ pub fn router(state: AppState) -> Router {
         })
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(state.clone(), log_requests))
+        .layer(middleware::from_fn(close_if_body_unread))
         .with_state(state)
+}
+
+/// A response sent before its request's body was read to the end says `Connection: close`. The
+/// server cannot reuse such a connection (the rest of the body is still on it) and drops it after
+/// the response; without the header a client that keeps connections alive would send its next
+/// request on it and see the connection closed instead of an answer. It happens wherever an
+/// answer needs no body: an unknown path, a wrong method, a missing API key, a body over the
+/// limit.
+async fn close_if_body_unread(req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let has_body =
+        declared.is_some_and(|n| n > 0) || parts.headers.contains_key(header::TRANSFER_ENCODING);
+    if !has_body {
+        return next.run(Request::from_parts(parts, body)).await;
+    }
+    let read = Arc::new(AtomicBool::new(false));
+    let watched = ReadToEnd {
+        data: body.into_data_stream(),
+        read: read.clone(),
+    };
+    let mut resp = next
+        .run(Request::from_parts(
+            parts,
+            axum::body::Body::from_stream(watched),
+        ))
+        .await;
+    if !read.load(Ordering::Acquire) {
+        resp.headers_mut().insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("close"),
+        );
+    }
+    resp
+}
+
+/// A request body's data that sets `read` once it has given its last chunk.
+struct ReadToEnd {
+    data: axum::body::BodyDataStream,
+    read: Arc<AtomicBool>,
+}
+
+impl futures_util::Stream for ReadToEnd {
+    type Item = Result<axum::body::Bytes, axum::Error>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let next = std::pin::Pin::new(&mut self.data).poll_next(cx);
+        if let std::task::Poll::Ready(None) = next {
+            self.read.store(true, Ordering::Release);
+        }
+        next
+    }
 }
 
 /// /v1/* needs `Authorization: Bearer KEY` when the server has a key; /health and /metrics
