@@ -2431,8 +2431,11 @@ impl Backend for CudaBackend {
             )));
         }
         check_row_norm(x.cols, w)?;
-        let shape = self.gemv_variant(p.rows, p.cols, p.bits);
-        let blocks = p.rows.div_ceil(shape.rows_per_block);
+        let GemvShape {
+            variant,
+            rows_per_block,
+        } = self.gemv_variant(p.rows, p.cols, p.bits);
+        let blocks = p.rows.div_ceil(rows_per_block);
         let sum = self.tensor(1, x.cols)?;
         let parts = LazyParts {
             input: self.tensor(1, x.cols)?,
@@ -2440,7 +2443,7 @@ impl Backend for CudaBackend {
         };
         launch!(
             self,
-            self.k.gemv_add_sumsq[b][shape.variant],
+            self.k.gemv_add_sumsq[b][variant],
             cfg((blocks as u32, 1), 256, gemv_smem_bytes(p.cols)),
             [
                 self.qarg(p),
