@@ -212,7 +212,8 @@ struct Kernels {
     /// SM walking the rows).
     gemv_stream: [CudaFunction; 2],
     gemv_batch_stream: [CudaFunction; 2],
-    moe_gate_up_stream: [CudaFunction; 2],
+    /// `[experts > 256][bits]`: the kernel's routing takes 8 or 16 logits a lane.
+    moe_gate_up_stream: [[CudaFunction; 2]; 2],
     /// Tensor-core products for prefill (kernels/qmma.cu): the warpgroup (`wgmma`) kernels on
     /// sm_90a, the `mma` ones elsewhere, with 64 token slots a tile; and on sm_90a the 16-slot
     /// tiles for products whose 64-slot grid would leave SMs idle (`ProductShapes::pick`).
@@ -359,7 +360,10 @@ impl Kernels {
             gemv_add_sumsq: variants("gemv_add_sumsq")?,
             gemv_stream: pair("gemv_stream")?,
             gemv_batch_stream: pair("gemv_batch_stream")?,
-            moe_gate_up_stream: pair("moe_gate_up_stream")?,
+            moe_gate_up_stream: [
+                pair("moe_gate_up_stream")?,
+                pair("moe_gate_up_stream_e512")?,
+            ],
             products,
             embed: pair("embed")?,
             moe_gate_up: variants("moe_gate_up")?,
@@ -1219,8 +1223,8 @@ impl CudaBackend {
         // per (rows, pair). Both kernels take the same arguments (kernels/quant.cu).
         let (f, label, grid) = if t == 1 {
             (
-                &self.k.moe_gate_up_stream[b],
-                "moe_gate_up_stream[b]",
+                &self.k.moe_gate_up_stream[usize::from(rt.num_experts > 256)][b],
+                "moe_gate_up_stream[e][b]",
                 ((2 * self.sms) as u32, 1),
             )
         } else {

@@ -436,12 +436,17 @@ __device__ __forceinline__ float load_cg(const float* p) {
 // Whether this block is the last of `blocks` blocks to get here, by a ticket from `counter`
 // (zero between launches: the last block sets it back). Every thread of the block must call it
 // (none may have exited), after its stores that the last block reads: they are made visible
-// device-wide before the block takes its ticket.
+// device-wide before the block takes its ticket, by the barrier and then one thread's fence (a
+// fence is cumulative: it orders the block's stores that the barrier ordered before it, as
+// cooperative groups' grid barrier does). A fence in every thread stalled the expert down's warps
+// 7% of their cycles (Nsight Compute, session 18).
 __device__ __forceinline__ bool last_block(u32* counter, u32 blocks) {
     __shared__ u32 ticket;
-    __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(counter, 1u);
+    if (threadIdx.x == 0) {
+        __threadfence();
+        ticket = atomicAdd(counter, 1u);
+    }
     __syncthreads();
     const bool last = ticket == blocks - 1;
     if (last && threadIdx.x == 0) *counter = 0;
@@ -527,8 +532,9 @@ extern "C" __global__ void q8_embed(const u32* codes, const u16* scales, const u
     embed_rows<8>({codes, scales, biases}, ids, out, cols);
 }
 
-__device__ __forceinline__ void route_token_any(const float* l, int experts, int top_k, int renormalize, int* ids,
-                                                float* weights);
+template <int KEYS>
+__device__ __forceinline__ void route_token(const float* l, int experts, int top_k, int renormalize, int* ids,
+                                            float* weights);
 
 // ---- the mixture-of-experts block. Pair p < pairs is token p / top_k's (p % top_k)-th chosen
 // expert ids[p]; pair pairs + t is token t's shared expert (its own matrices, `inter_s` rows).
@@ -579,13 +585,16 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 // with 256 threads, 2 blocks per SM and gemv_smem_bytes(hidden) of shared memory. The kernels
 // take moe_gate_up's arguments (top_k unused: one token's pairs are its top k).
 //
-// With `logits` (the router's `experts` logits), the token is routed here rather than by the
-// router product: every block's first warp routes it (route_token_any, into shared memory) right
-// after the wait, and block 0 writes the choice to `ids` and `weights` for the kernels after.
+// With `logits` (the router's `experts` logits, at most 32 * KEYS), the token is routed here
+// rather than by the router product: every block's first warp routes it (route_token, into shared
+// memory) right after the wait, and block 0 writes the choice to `ids` and `weights` for the
+// kernels after. A kernel for each KEYS (up to 256 experts, up to 512): with both routings in
+// one, its code was 94 KB against 56, and its warps waited for instructions 10.6% of their
+// cycles (Nsight Compute, session 18).
 // The router product then ends with its last row: routing in its last block (a ticket, a fence
 // and a reload of the logits from L2 first) held the whole expert block back longer
 // (docs/performance.md, session 17). Routing in every block costs no more than reading the ids.
-template <int BITS>
+template <int BITS, int KEYS>
 __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
                                                    const float* x, float* act, int pairs, int inter, int inter_s,
                                                    int hidden, const RowNorm& nrm, const float* logits, int experts,
@@ -621,7 +630,7 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
     }
     pdl_wait();
     if (logits) {
-        if (threadIdx.x < 32) route_token_any(logits, experts, pairs, renormalize, routed, routed_weights);
+        if (threadIdx.x < 32) route_token<KEYS>(logits, experts, pairs, renormalize, routed, routed_weights);
         __syncthreads();
         if (blockIdx.x == 0 && (int)threadIdx.x < pairs) {
             ids[threadIdx.x] = routed[threadIdx.x];
@@ -649,22 +658,18 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
     }
 }
 
-extern "C" __global__ void GEMV_BOUNDS(2) q4_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
-                                                              const float* x, float* act, int top_k, int pairs,
-                                                              int inter, int inter_s, int hidden, RowNorm nrm,
-                                                              const float* logits, int experts, int renormalize,
-                                                              float* weights) {
-    moe_gate_up_stream<4>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden, nrm, logits, experts,
-                          renormalize, weights);
-}
-extern "C" __global__ void GEMV_BOUNDS(2) q8_moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
-                                                              const float* x, float* act, int top_k, int pairs,
-                                                              int inter, int inter_s, int hidden, RowNorm nrm,
-                                                              const float* logits, int experts, int renormalize,
-                                                              float* weights) {
-    moe_gate_up_stream<8>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden, nrm, logits, experts,
-                          renormalize, weights);
-}
+#define MOE_GATE_UP_STREAM(NAME, BITS, KEYS)                                                                \
+    extern "C" __global__ void GEMV_BOUNDS(2)                                                                \
+        NAME(QMat gate, QMat up, QMat sgate, QMat sup, int* ids, const float* x, float* act, int top_k,      \
+             int pairs, int inter, int inter_s, int hidden, RowNorm nrm, const float* logits, int experts,   \
+             int renormalize, float* weights) {                                                              \
+        moe_gate_up_stream<BITS, KEYS>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden, nrm, \
+                                       logits, experts, renormalize, weights);                               \
+    }
+MOE_GATE_UP_STREAM(q4_moe_gate_up_stream, 4, 8)
+MOE_GATE_UP_STREAM(q8_moe_gate_up_stream, 8, 8)
+MOE_GATE_UP_STREAM(q4_moe_gate_up_stream_e512, 4, 16)
+MOE_GATE_UP_STREAM(q8_moe_gate_up_stream_e512, 8, 16)
 
 // y[p][r] = down[r] . act[p]. Launch with 256 threads, (ceil(hidden / ROWS_PER_BLOCK),
 // pairs + tokens) blocks, gemv_smem_bytes(stride) of shared memory.
