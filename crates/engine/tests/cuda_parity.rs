@@ -449,6 +449,147 @@ fn gated_delta_net_matches_over_chunks() {
     }
 }
 
+/// A GDN layer's weights for `gdn_mixer_on`: the in-projections (qkv, z, a, b), conv taps, a_log,
+/// dt_bias, the output norm's gains, the output projection and the next norm's gains.
+struct GdnLayer {
+    in_proj: [QWeight; 4],
+    conv: Vec<f32>,
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    norm: Vec<f32>,
+    out_proj: QWeight,
+    post_norm: Vec<f32>,
+}
+
+/// The GDN mixer as the model runs it (qwen3_5_moe.rs `gdn`, then its output projection into
+/// the residual with the next norm) over chunks of tokens `(h, x)` from a fresh state. Per chunk:
+/// the conv output, z, a, b, the gated norm of the recurrence's output, the residual and its
+/// norm; then the final window and state. One token takes CUDA's lazy norm: the recurrence
+/// leaves it to the output projection's staging (and the download makes it plain).
+fn gdn_mixer_on<B: Backend>(
+    b: &B,
+    sh: &GdnShape,
+    l: &GdnLayer,
+    chunks: &[(Vec<f32>, Vec<f32>)],
+    state_out: impl Fn(&B, &B::GdnState) -> (Vec<f32>, Vec<f32>),
+) -> Vec<Vec<f32>> {
+    let q = |w: &QWeight| b.upload_qmatrix(clone_q(w)).expect("upload");
+    let in_proj = l.in_proj.each_ref().map(q);
+    let out_proj = q(&l.out_proj);
+    let v = |x: &[f32]| b.upload_vector(x).expect("vector");
+    let (conv, a_log, dt_bias, norm, post) = (
+        v(&l.conv),
+        v(&l.a_log),
+        v(&l.dt_bias),
+        v(&l.norm),
+        v(&l.post_norm),
+    );
+    let (hidden, hv) = (l.out_proj.rows, sh.value_heads);
+    let mut st = b.new_gdn_state(sh).expect("state");
+    let mut outs = Vec::new();
+    for (h, x) in chunks {
+        let t = h.len() / hidden;
+        let [raw, z, a, beta] = engine::backend::products(
+            b.qmatmul_many(&up(b, h, t, hidden), &in_proj.each_ref())
+                .expect("in-projections"),
+        )
+        .expect("four products");
+        let qkv = b.conv1d_silu(&raw, &conv, &mut st, sh).expect("conv");
+        let gated = b
+            .gdn_recurrence_gated_norm(
+                &qkv,
+                &a,
+                &beta,
+                [&a_log, &dt_bias, &norm],
+                &z,
+                &mut st,
+                sh,
+                1e-6,
+            )
+            .expect("gdn with its gated norm");
+        let mut residual = up(b, x, t, hidden);
+        let normed = b
+            .qmatmul_add_rms_norm(&gated, &out_proj, &mut residual, &post, 1e-6)
+            .expect("output projection");
+        assert_eq!(b.tensor_shape(&beta), (t, hv));
+        for r in [&qkv, &z, &a, &beta, &gated, &residual, &normed] {
+            outs.push(down(b, r));
+        }
+    }
+    let (w, s) = state_out(b, &st);
+    outs.push(w);
+    outs.push(s);
+    outs
+}
+
+#[test]
+fn gdn_mixer_with_its_lazy_output_norm_matches() {
+    let Some((cpu, gpu)) = backends_or_skip("gdn_mixer_with_its_lazy_output_norm_matches") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(41);
+    // (shape, hidden): the 35B (output projection one row per warp); three value heads per key
+    // head on a 256-wide model; four value heads on a 2048-wide one (output projection four rows
+    // per half warp).
+    let narrow = GdnShape {
+        value_heads: 4,
+        ..GDN_SHAPES[1]
+    };
+    for (sh, hidden) in [(GDN_SHAPES[0], 2048), (GDN_SHAPES[1], 256), (narrow, 2048)] {
+        let (c, hv, dv) = (sh.conv_channels(), sh.value_heads, sh.value_dim);
+        let l = GdnLayer {
+            in_proj: [c, hv * dv, hv, hv].map(|rows| qweight(&mut rng, rows, hidden, 4)),
+            conv: randn(&mut rng, sh.conv_kernel * c, 0.5),
+            a_log: randn(&mut rng, hv, 1.0),
+            dt_bias: randn(&mut rng, hv, 1.0),
+            norm: randn(&mut rng, dv, 1.0),
+            out_proj: qweight(&mut rng, hidden, hv * dv, 4),
+            post_norm: randn(&mut rng, hidden, 1.0),
+        };
+        // A short prompt (one product per token), decode steps, a prompt on the tensor cores
+        // and the chunked recurrence, and a decode step after it.
+        let chunks: Vec<_> = [5, 1, 1, 1, 70, 1]
+            .iter()
+            .map(|&t| {
+                (
+                    randn(&mut rng, t * hidden, 1.0),
+                    randn(&mut rng, t * hidden, 1.0),
+                )
+            })
+            .collect();
+        let g = gdn_mixer_on(&gpu, &sh, &l, &chunks, |b, s| {
+            let st = &b.device().stream;
+            (
+                st.clone_dtoh(&s.window).expect("w"),
+                st.clone_dtoh(&s.state).expect("s"),
+            )
+        });
+        let want = gdn_mixer_on(&cpu, &sh, &l, &chunks, |_, s| {
+            (s.window.clone(), s.state.clone())
+        });
+        assert_eq!(g.len(), want.len());
+        let parts = [
+            "conv output",
+            "z",
+            "a",
+            "b",
+            "gated norm",
+            "residual",
+            "its norm",
+        ];
+        for (i, (a, b)) in g.iter().zip(&want).enumerate() {
+            let what = match parts.get(i % parts.len()) {
+                Some(p) if i < chunks.len() * parts.len() => {
+                    format!("{p} of chunk {}", i / parts.len())
+                }
+                _ if i == chunks.len() * parts.len() => "conv window".into(),
+                _ => "recurrent state".into(),
+            };
+            close(&format!("{what} (Hv {hv}, hidden {hidden})"), a, b);
+        }
+    }
+}
+
 const ATTN: AttnShape = AttnShape {
     heads: 16,
     kv_heads: 2,

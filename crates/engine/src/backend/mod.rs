@@ -167,6 +167,24 @@ pub trait Backend: Send + Sync + 'static {
         state: &mut Self::GdnState,
         shape: &GdnShape,
     ) -> Result<Self::Tensor>;
+    /// `gdn_recurrence`, then `gated_rms_norm` of its output with `z` and the gains `norm` per
+    /// value head: a GDN layer's mixer up to its output projection (on a GPU for one token, the
+    /// norm is left to that projection).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_recurrence_gated_norm(
+        &self,
+        qkv: &Self::Tensor,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        [a_log, dt_bias, norm]: [&Self::Vector; 3],
+        z: &Self::Tensor,
+        state: &mut Self::GdnState,
+        shape: &GdnShape,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        let y = self.gdn_recurrence(qkv, a, b, a_log, dt_bias, state, shape)?;
+        self.gated_rms_norm(&y, z, norm, shape.value_dim, eps)
+    }
     /// Per head of `dim`: `rmsnorm(y) * w * silu(z)`.
     fn gated_rms_norm(
         &self,

@@ -261,8 +261,17 @@ impl<B: Backend> Qwen35Moe<B> {
             &[&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_a, &w.in_proj_b],
         )?)?;
         let qkv = b.conv1d_silu(&qkv, &w.conv, s, sh)?;
-        let y = b.gdn_recurrence(&qkv, &a, &beta_logit, &w.a_log, &w.dt_bias, s, sh)?;
-        b.gated_rms_norm(&y, &z, &w.norm, sh.value_dim, self.cfg.rms_norm_eps)
+        // rmsnorm(y) * norm * silu(z) per value head, y the gated delta rule's output
+        b.gdn_recurrence_gated_norm(
+            &qkv,
+            &a,
+            &beta_logit,
+            [&w.a_log, &w.dt_bias, &w.norm],
+            &z,
+            s,
+            sh,
+            self.cfg.rms_norm_eps,
+        )
     }
 
     /// The gated attention mixer on `h`, up to its output projection (as `gdn`).

@@ -37,6 +37,15 @@ pub struct DevBuf<T> {
 }
 
 impl<T> DevBuf<T> {
+    /// No memory: a null address (a lazily computed tensor's own buffer).
+    fn empty() -> DevBuf<T> {
+        DevBuf {
+            ptr: 0,
+            len: 0,
+            _owned: None,
+        }
+    }
+
     /// The first `len` elements of a pool buffer, owned.
     fn owned(slice: CudaSlice<T>, len: usize, stream: &CudaStream) -> DevBuf<T> {
         let ptr = slice.device_ptr(stream).0;
@@ -54,8 +63,15 @@ pub struct CudaTensor {
     pub buf: DevBuf<f32>,
     pub rows: usize,
     pub cols: usize,
-    /// Set for one token's row normed lazily: see `LazyNorm`.
-    lazy: Option<LazyNorm>,
+    /// Set for one token's row normed lazily: see `LazyNorm` and `LazyGate`.
+    lazy: Option<Lazy>,
+}
+
+/// A one-token row that the products reading it finish while staging it.
+#[derive(Clone)]
+enum Lazy {
+    Norm(LazyNorm),
+    Gate(LazyGate),
 }
 
 /// One token's residual row x whose next norm, rmsnorm(x) * gains, is left to the products that
@@ -73,6 +89,34 @@ struct LazyNorm {
     partials: DevBuf<f32>,
     gains: u64,
     eps: f32,
+}
+
+/// One token's GDN output whose gated norm, rmsnorm(y_h) * w * silu(z_h) per value head h, is
+/// left to the output projection that reads it: the recurrence wrote g = y * w * silu(z) and one
+/// partial sum of squares of y per block of rows (`GdnGate`, kernels/gdn.cu), and the
+/// projection's staging scales each head of g by its norm (`HeadNorm`, kernels/quant.cu). This
+/// saves the norm's launch in every GDN layer of a decode step. Every other op norms it first
+/// (`CudaBackend::plain`); the tensor's own `buf` is empty, as for `LazyNorm`.
+#[derive(Clone)]
+struct LazyGate {
+    g: DevBuf<f32>,
+    partials: DevBuf<f32>,
+    /// Partial sums per head, and the head size.
+    parts: usize,
+    dim: usize,
+    eps: f32,
+}
+
+impl LazyGate {
+    fn arg(&self) -> HeadNormArg {
+        HeadNormArg {
+            partials: self.partials.ptr,
+            parts: self.parts as i32,
+            dim: self.dim as i32,
+            eps: self.eps,
+            _pad: 0,
+        }
+    }
 }
 
 /// What a residual add with its norm left lazy writes besides the residual: x * gains and one
@@ -123,6 +167,35 @@ struct RowNormArg {
 
 // SAFETY: repr(C), a u64 then four 4-byte fields, no padding.
 unsafe impl bytemuck::NoUninit for RowNormArg {}
+
+/// A `HeadNorm` kernel parameter (kernels/quant.cu): a `LazyGate`'s partial sums, their count per
+/// head, the head size and epsilon; all zero for a plain input.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct HeadNormArg {
+    partials: u64,
+    parts: i32,
+    dim: i32,
+    eps: f32,
+    _pad: u32,
+}
+
+// SAFETY: repr(C), a u64 then four 4-byte fields, no padding.
+unsafe impl bytemuck::NoUninit for HeadNormArg {}
+
+/// A `GdnGate` kernel parameter (kernels/gdn.cu): z, the norm's gains, and where g and the
+/// partial sums go; all zero for none.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GdnGateArg {
+    z: u64,
+    gains: u64,
+    g: u64,
+    partials: u64,
+}
+
+// SAFETY: repr(C), four u64, no padding.
+unsafe impl bytemuck::NoUninit for GdnGateArg {}
 
 /// A quantized matrix (or expert stack) in device memory, in the checkpoint's layout.
 pub struct CudaQMatrix {
@@ -208,6 +281,9 @@ struct Kernels {
     /// `[bits][variant]`: one token's product added to the residual, its norm left lazy
     /// (`gemv_add_sumsq`).
     gemv_add_sumsq: [[CudaFunction; 3]; 2],
+    /// The same over a `LazyGate` row (its heads normed while staged).
+    gemv_add_sumsq_gated: [[CudaFunction; 3]; 2],
+    head_norm_apply: CudaFunction,
     /// `[bits]`: the matrix-vector product for matrices of many rows (a grid of two blocks per
     /// SM walking the rows).
     gemv_stream: [CudaFunction; 2],
@@ -358,6 +434,8 @@ impl Kernels {
             gemv: variants("gemv")?,
             gemv_batch: variants("gemv_batch")?,
             gemv_add_sumsq: variants("gemv_add_sumsq")?,
+            gemv_add_sumsq_gated: variants("gemv_add_sumsq_gated")?,
+            head_norm_apply: f("quant", "head_norm_apply")?,
             gemv_stream: pair("gemv_stream")?,
             gemv_batch_stream: pair("gemv_batch_stream")?,
             moe_gate_up_stream: [
@@ -1209,7 +1287,7 @@ impl CudaBackend {
             self.moe_grouped(&dims, x, rt, [gate, up, down], [sgate, sup, sdown], &y)?;
             return Ok(MoeOut::Rows(y, logit));
         }
-        let (x_ptr, nrm) = self.row_input(x);
+        let (_x_held, x_ptr, nrm) = self.row_input(x)?;
         let act = self.tmp::<f32>(all * stride)?;
         // A decode step's 9 expert products at four rows per warp fill about one block per
         // SM; at one row per warp, four times as many blocks keep more loads in flight.
@@ -1551,6 +1629,133 @@ impl CudaBackend {
         )
     }
 
+    /// `gdn_recurrence`; with `gate` (one token only), the output norm's g = y * w * silu(z)
+    /// written in y's place and the partial sums of squares beside it (`GdnGate`,
+    /// kernels/gdn.cu; its `g` is filled in here).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_recurrence_with(
+        &self,
+        qkv: &CudaTensor,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        [a_log, dt_bias]: [&CudaSlice<f32>; 2],
+        s: &mut CudaGdnState,
+        sh: &GdnShape,
+        gate: Option<GdnGateArg>,
+    ) -> Result<CudaTensor> {
+        plain!(self, qkv, a, b);
+        let (hk, hv, dk, dv) = (sh.key_heads, sh.value_heads, sh.key_dim, sh.value_dim);
+        let variant = match dk {
+            64 => 0,
+            128 => 1,
+            256 => 2,
+            _ => usize::MAX,
+        };
+        if variant == usize::MAX || hk == 0 || hv % hk != 0 || (hv * dv) % 4 != 0 {
+            return Err(Error::Backend(format!(
+                "gdn: key dim {dk} with {hk} key and {hv} value heads of dim {dv} is not supported \
+                 on CUDA (key dims 64, 128 or 256; value heads a multiple of key heads)"
+            )));
+        }
+        if qkv.cols != sh.conv_channels() || a.cols != hv || b.cols != hv {
+            return Err(Error::Backend(
+                "gdn: input shapes do not match the layer".into(),
+            ));
+        }
+        let y = self.tensor(qkv.rows, hv * dv)?;
+        let t = qkv.rows;
+        let gate = match gate {
+            Some(g) if t == 1 => GdnGateArg {
+                g: self.ptr(&y.buf),
+                ..g
+            },
+            Some(_) => {
+                return Err(Error::Backend(
+                    "gdn: the output norm is left lazy for one token only".into(),
+                ));
+            }
+            None => GdnGateArg::default(),
+        };
+        if let Some(gdn_chunk) = &self.k.gdn_chunked
+            && dk == 128
+            && dv == 128
+            && t >= GDN_CHUNKED_MIN_TOKENS
+        {
+            // Per (chunk, value head): [W; gamma Q], Kd, U', P and the chunk's decay.
+            let (c, chunks) = (GDN_CHUNK, t.div_ceil(GDN_CHUNK));
+            let blocks = chunks * hv;
+            let wq = self.tmp::<f32>(blocks * 2 * c * dk)?;
+            let kd = self.tmp::<f32>(blocks * c * dk)?;
+            let u = self.tmp::<f32>(blocks * c * dv)?;
+            let p = self.tmp::<f32>(blocks * c * c)?;
+            let gch = self.tmp::<f32>(blocks)?;
+            launch!(
+                self,
+                gdn_chunk.prep,
+                cfg((chunks as u32, hv as u32), 256, gdn_prep_smem_bytes(dk)),
+                [
+                    self.ptr(&qkv.buf),
+                    self.ptr(&a.buf),
+                    self.ptr(&b.buf),
+                    self.ptr(a_log),
+                    self.ptr(dt_bias),
+                    wq.ptr,
+                    kd.ptr,
+                    u.ptr,
+                    p.ptr,
+                    gch.ptr,
+                    t as i32,
+                    hk as i32,
+                    hv as i32,
+                    GDN_L2_EPS
+                ]
+            )?;
+            launch!(
+                self,
+                gdn_chunk.state,
+                cfg(
+                    (hv as u32, (dv / GDN_STATE_ROWS) as u32),
+                    256,
+                    gdn_state_smem_bytes(dk)
+                ),
+                [
+                    wq.ptr,
+                    kd.ptr,
+                    u.ptr,
+                    p.ptr,
+                    gch.ptr,
+                    self.ptr(&s.state),
+                    self.ptr(&y.buf),
+                    t as i32,
+                    hv as i32
+                ]
+            )?;
+        } else if t > 0 {
+            // 8 state rows per block, sixteen threads each.
+            launch!(
+                self,
+                self.k.gdn_recurrence[variant],
+                cfg((hv as u32, (dv as u32).div_ceil(8)), 128, 0),
+                [
+                    self.ptr(&qkv.buf),
+                    self.ptr(&a.buf),
+                    self.ptr(&b.buf),
+                    self.ptr(a_log),
+                    self.ptr(dt_bias),
+                    self.ptr(&s.state),
+                    self.ptr(&y.buf),
+                    qkv.rows as i32,
+                    hk as i32,
+                    hv as i32,
+                    dv as i32,
+                    GDN_L2_EPS,
+                    gate
+                ]
+            )?;
+        }
+        Ok(y)
+    }
+
     fn qarg(&self, w: &CudaQMatrix) -> QMatArg {
         QMatArg {
             codes: self.ptr(&w.codes),
@@ -1733,8 +1938,18 @@ impl CudaBackend {
             return Ok(Plain::Borrowed(t));
         };
         let out = self.tensor(t.rows, t.cols)?;
-        let ptrs = [lazy.x.ptr, lazy.gains, 0, self.ptr(&out.buf)];
-        self.launch_norm_rows(ptrs, t.rows, t.cols, lazy.eps)?;
+        match lazy {
+            Lazy::Norm(n) => {
+                let ptrs = [n.x.ptr, n.gains, 0, self.ptr(&out.buf)];
+                self.launch_norm_rows(ptrs, t.rows, t.cols, n.eps)?;
+            }
+            Lazy::Gate(g) => launch!(
+                self,
+                self.k.head_norm_apply,
+                elementwise(t.cols),
+                [g.g.ptr, g.arg(), self.ptr(&out.buf), t.cols as i32]
+            )?,
+        }
         Ok(Plain::Normed(out))
     }
 
@@ -1747,21 +1962,22 @@ impl CudaBackend {
     }
 
     /// The address a matrix-vector kernel reads `t` from, and its `RowNorm` (kernels/quant.cu):
-    /// a lazily normed row's x * gains and partial sums, or `t`'s values and none.
-    fn row_input(&self, t: &CudaTensor) -> (u64, RowNormArg) {
-        match &t.lazy {
-            None => (t.buf.ptr, RowNormArg::default()),
-            Some(lazy) => (
-                lazy.input.ptr,
-                RowNormArg {
-                    partials: lazy.partials.ptr,
-                    count: lazy.partials.len as i32,
-                    n: t.cols as i32,
-                    eps: lazy.eps,
-                    _pad: 0,
-                },
-            ),
+    /// a lazily normed row's x * gains and partial sums, or `t`'s plain values (made now for a
+    /// `LazyGate` row: the returned `Plain` holds them until the launch) and none.
+    fn row_input<'a>(&self, t: &'a CudaTensor) -> Result<(Plain<'a>, u64, RowNormArg)> {
+        if let Some(Lazy::Norm(lazy)) = &t.lazy {
+            let nrm = RowNormArg {
+                partials: lazy.partials.ptr,
+                count: lazy.partials.len as i32,
+                n: t.cols as i32,
+                eps: lazy.eps,
+                _pad: 0,
+            };
+            return Ok((Plain::Borrowed(t), lazy.input.ptr, nrm));
         }
+        let plain = self.plain(t)?;
+        let ptr = plain.buf.ptr;
+        Ok((plain, ptr, RowNormArg::default()))
     }
 
     /// One token's residual row `x` as the lazily normed row rmsnorm(x) * w, from what the
@@ -1773,22 +1989,17 @@ impl CudaBackend {
         w: &CudaSlice<f32>,
         eps: f32,
     ) -> CudaTensor {
-        let empty = DevBuf {
-            ptr: 0,
-            len: 0,
-            _owned: None,
-        };
         CudaTensor {
-            buf: empty,
+            buf: DevBuf::empty(),
             rows: 1,
             cols: x.cols,
-            lazy: Some(LazyNorm {
+            lazy: Some(Lazy::Norm(LazyNorm {
                 x: x.buf.clone(),
                 input: input.buf,
                 partials,
                 gains: self.ptr(w),
                 eps,
-            }),
+            })),
         }
     }
 
@@ -2275,7 +2486,7 @@ impl Backend for CudaBackend {
             return products(self.qmma(&split, x.cols, &[w], x.rows)?).map(|[out]| out);
         }
         let b = self.check_q(x.cols, w)?;
-        let (x_ptr, nrm) = self.row_input(x);
+        let (_x_held, x_ptr, nrm) = self.row_input(x)?;
         let out = self.tensor(x.rows, w.rows)?;
         if x.rows == 0 || w.rows == 0 {
             return Ok(out);
@@ -2334,7 +2545,7 @@ impl Backend for CudaBackend {
         if x.rows != 1 {
             return ws.iter().map(|w| self.qmatmul(x, w)).collect();
         }
-        let (x_ptr, nrm) = self.row_input(x);
+        let (_x_held, x_ptr, nrm) = self.row_input(x)?;
         let mut outs = Vec::with_capacity(ws.len());
         // Consecutive matrices of one bit width share a launch (at most four per launch).
         for group in ws.chunk_by(|a, b| a.bits == b.bits) {
@@ -2416,7 +2627,6 @@ impl Backend for CudaBackend {
         w: &CudaSlice<f32>,
         eps: f32,
     ) -> Result<CudaTensor> {
-        plain!(self, y);
         plain!(self, mut x);
         // One token: the product and the residual add in one launch (`gemv_add_sumsq`,
         // kernels/quant.cu), the norm left lazy; unless the matrix is one that `qmatmul` walks
@@ -2424,6 +2634,7 @@ impl Backend for CudaBackend {
         let many_rows =
             p.rows.div_ceil(GEMV_SHAPES[0].rows_per_block) >= STREAM_MIN_BLOCKS_PER_SM * self.sms;
         if y.rows != 1 || many_rows {
+            plain!(self, y);
             let projected = self.qmatmul(y, p)?;
             return self.add_rms_norm(x, &projected, w, eps);
         }
@@ -2439,29 +2650,56 @@ impl Backend for CudaBackend {
             variant,
             rows_per_block,
         } = self.gemv_variant(p.rows, p.cols, p.bits);
+        // A GDN output with its norm left lazy is normed per head as it is staged.
+        let y_plain;
+        let (f, label, y_ptr, head_norm) = match &y.lazy {
+            Some(Lazy::Gate(g)) => (
+                &self.k.gemv_add_sumsq_gated[b][variant],
+                "gemv_add_sumsq_gated[b][variant]",
+                g.g.ptr,
+                g.arg(),
+            ),
+            _ => {
+                y_plain = self.plain(y)?;
+                (
+                    &self.k.gemv_add_sumsq[b][variant],
+                    "gemv_add_sumsq[b][variant]",
+                    y_plain.buf.ptr,
+                    HeadNormArg::default(),
+                )
+            }
+        };
         let blocks = p.rows.div_ceil(rows_per_block);
         let sum = self.tensor(1, x.cols)?;
         let parts = LazyParts {
             input: self.tensor(1, x.cols)?,
             partials: self.tmp::<f32>(blocks)?,
         };
-        launch!(
-            self,
-            self.k.gemv_add_sumsq[b][variant],
-            cfg((blocks as u32, 1), 256, gemv_smem_bytes(p.cols)),
-            [
-                self.qarg(p),
-                self.ptr(&y.buf),
-                self.ptr(&x.buf),
-                self.ptr(&sum.buf),
-                self.ptr(w),
-                self.ptr(&parts.input.buf),
-                parts.partials.ptr,
-                p.rows as i32,
-                p.cols as i32
-            ],
-            bytes = qbytes(p.rows, p.cols, p.bits)
-        )?;
+        let args: [&dyn KernelArg; 10] = [
+            &self.qarg(p),
+            &y_ptr,
+            &head_norm,
+            &self.ptr(&x.buf),
+            &self.ptr(&sum.buf),
+            &self.ptr(w),
+            &self.ptr(&parts.input.buf),
+            &parts.partials.ptr,
+            &(p.rows as i32),
+            &(p.cols as i32),
+        ];
+        // SAFETY: both kernels take (QMat w, const float* y, HeadNorm hn, const float* x_in,
+        // float* x_out, const float* gains, float* xg, float* partials, int rows, int cols), a
+        // grid of one block per ROWS_PER_BLOCK rows and gemv_smem_bytes(cols) of shared memory
+        // (kernels/quant.cu).
+        unsafe {
+            self.launch(
+                f,
+                label,
+                cfg((blocks as u32, 1), 256, gemv_smem_bytes(p.cols)),
+                &args,
+                qbytes(p.rows, p.cols, p.bits),
+            )
+        }?;
         *x = sum;
         Ok(self.lazy_norm(x, parts, w, eps))
     }
@@ -2487,12 +2725,12 @@ impl Backend for CudaBackend {
 
     fn last_row(&self, x: &CudaTensor) -> Result<CudaTensor> {
         // One token's lazily normed row stays lazy (the lm_head's product takes it).
-        if let (1, Some(lazy)) = (x.rows, &x.lazy) {
+        if let (1, Some(Lazy::Norm(lazy))) = (x.rows, &x.lazy) {
             return Ok(CudaTensor {
                 buf: x.buf.clone(),
                 rows: 1,
                 cols: x.cols,
-                lazy: Some(lazy.clone()),
+                lazy: Some(Lazy::Norm(lazy.clone())),
             });
         }
         plain!(self, x);
@@ -2588,104 +2826,55 @@ impl Backend for CudaBackend {
         s: &mut CudaGdnState,
         sh: &GdnShape,
     ) -> Result<CudaTensor> {
-        plain!(self, qkv, a, b);
-        let (hk, hv, dk, dv) = (sh.key_heads, sh.value_heads, sh.key_dim, sh.value_dim);
-        let variant = match dk {
-            64 => 0,
-            128 => 1,
-            256 => 2,
-            _ => usize::MAX,
+        self.gdn_recurrence_with(qkv, a, b, [a_log, dt_bias], s, sh, None)
+    }
+
+    fn gdn_recurrence_gated_norm(
+        &self,
+        qkv: &CudaTensor,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        [a_log, dt_bias, norm]: [&CudaSlice<f32>; 3],
+        z: &CudaTensor,
+        s: &mut CudaGdnState,
+        sh: &GdnShape,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        plain!(self, z);
+        // One token: the recurrence writes y * w * silu(z) and its blocks' sums of squares, and
+        // the norm is left to the output projection (`LazyGate`), for value heads whose columns
+        // a vector of codes never straddles.
+        let (hv, dv) = (sh.value_heads, sh.value_dim);
+        let parts = dv.div_ceil(8);
+        let lazy = qkv.rows == 1
+            && dv.is_multiple_of(32)
+            && z.rows == 1
+            && z.cols == hv * dv
+            && norm.len() >= dv;
+        if !lazy {
+            let y = self.gdn_recurrence(qkv, a, b, a_log, dt_bias, s, sh)?;
+            return self.gated_rms_norm(&y, z, norm, dv, eps);
+        }
+        let partials = self.tmp::<f32>(hv * parts)?;
+        let gate = GdnGateArg {
+            z: self.ptr(&z.buf),
+            gains: self.ptr(norm),
+            g: 0,
+            partials: partials.ptr,
         };
-        if variant == usize::MAX || hk == 0 || hv % hk != 0 || (hv * dv) % 4 != 0 {
-            return Err(Error::Backend(format!(
-                "gdn: key dim {dk} with {hk} key and {hv} value heads of dim {dv} is not supported \
-                 on CUDA (key dims 64, 128 or 256; value heads a multiple of key heads)"
-            )));
-        }
-        if qkv.cols != sh.conv_channels() || a.cols != hv || b.cols != hv {
-            return Err(Error::Backend(
-                "gdn: input shapes do not match the layer".into(),
-            ));
-        }
-        let y = self.tensor(qkv.rows, hv * dv)?;
-        let t = qkv.rows;
-        if let Some(gdn_chunk) = &self.k.gdn_chunked
-            && dk == 128
-            && dv == 128
-            && t >= GDN_CHUNKED_MIN_TOKENS
-        {
-            // Per (chunk, value head): [W; gamma Q], Kd, U', P and the chunk's decay.
-            let (c, chunks) = (GDN_CHUNK, t.div_ceil(GDN_CHUNK));
-            let blocks = chunks * hv;
-            let wq = self.tmp::<f32>(blocks * 2 * c * dk)?;
-            let kd = self.tmp::<f32>(blocks * c * dk)?;
-            let u = self.tmp::<f32>(blocks * c * dv)?;
-            let p = self.tmp::<f32>(blocks * c * c)?;
-            let gch = self.tmp::<f32>(blocks)?;
-            launch!(
-                self,
-                gdn_chunk.prep,
-                cfg((chunks as u32, hv as u32), 256, gdn_prep_smem_bytes(dk)),
-                [
-                    self.ptr(&qkv.buf),
-                    self.ptr(&a.buf),
-                    self.ptr(&b.buf),
-                    self.ptr(a_log),
-                    self.ptr(dt_bias),
-                    wq.ptr,
-                    kd.ptr,
-                    u.ptr,
-                    p.ptr,
-                    gch.ptr,
-                    t as i32,
-                    hk as i32,
-                    hv as i32,
-                    GDN_L2_EPS
-                ]
-            )?;
-            launch!(
-                self,
-                gdn_chunk.state,
-                cfg(
-                    (hv as u32, (dv / GDN_STATE_ROWS) as u32),
-                    256,
-                    gdn_state_smem_bytes(dk)
-                ),
-                [
-                    wq.ptr,
-                    kd.ptr,
-                    u.ptr,
-                    p.ptr,
-                    gch.ptr,
-                    self.ptr(&s.state),
-                    self.ptr(&y.buf),
-                    t as i32,
-                    hv as i32
-                ]
-            )?;
-        } else if t > 0 {
-            // 8 state rows per block, sixteen threads each.
-            launch!(
-                self,
-                self.k.gdn_recurrence[variant],
-                cfg((hv as u32, (dv as u32).div_ceil(8)), 128, 0),
-                [
-                    self.ptr(&qkv.buf),
-                    self.ptr(&a.buf),
-                    self.ptr(&b.buf),
-                    self.ptr(a_log),
-                    self.ptr(dt_bias),
-                    self.ptr(&s.state),
-                    self.ptr(&y.buf),
-                    qkv.rows as i32,
-                    hk as i32,
-                    hv as i32,
-                    dv as i32,
-                    GDN_L2_EPS
-                ]
-            )?;
-        }
-        Ok(y)
+        let g = self.gdn_recurrence_with(qkv, a, b, [a_log, dt_bias], s, sh, Some(gate))?;
+        Ok(CudaTensor {
+            buf: DevBuf::empty(),
+            rows: 1,
+            cols: g.cols,
+            lazy: Some(Lazy::Gate(LazyGate {
+                g: g.buf,
+                partials,
+                parts,
+                dim: dv,
+                eps,
+            })),
+        })
     }
 
     fn gated_rms_norm(
@@ -2982,7 +3171,7 @@ impl Backend for CudaBackend {
             1,
         )?;
         let [logits, shared_gate_logit] = products(outs)?;
-        let (h_ptr, nrm) = self.row_input(h);
+        let (_h_held, h_ptr, nrm) = self.row_input(h)?;
         // The product alone; the expert gate/up kernel routes its logits (`deferred`).
         launch!(
             self,

@@ -170,6 +170,19 @@ __device__ __forceinline__ void gdn_store_state(float4* st, int part, bool live,
         for (int j = 0; j < NJ; ++j) st[part + GDN_TPR * j] = s[j];
 }
 
+// The GDN output norm, rmsnorm(y_h) * w * silu(z_h) per head h, left to the output projection
+// for one token (decode): the recurrence writes g = y * w * silu(z) and, per block (8 rows of a
+// head), the sum of squares of its rows of y into partials[h * gridDim.y + blockIdx.y]; the
+// out_proj's staging scales each head's g by rsqrt(mean(y_h^2) + eps) from its head's partials
+// (HeadNorm, quant.cu). The SiLUs are taken once and the norm's launch is saved. g == nullptr:
+// y is written as it is. Passed by value.
+struct GdnGate {
+    const float* z;
+    const float* w;
+    float* g;
+    float* partials;
+};
+
 // gdn_recurrence_impl for one token (decode): the thread's parts of q and k straight into
 // registers, normalised there by every row's 16 threads alike, and the gates computed by each
 // thread, instead of the chunk's staging through shared memory and its two barriers. The same
@@ -177,7 +190,7 @@ __device__ __forceinline__ void gdn_store_state(float4* st, int part, bool live,
 template <int DK>
 __device__ __forceinline__ void gdn_step_one(const float* qkv, const float* a, const float* b, const float* a_log,
                                              const float* dt_bias, float* state, float* y, int hk, int hv, int dv,
-                                             float l2_eps) {
+                                             float l2_eps, const GdnGate& gate) {
     constexpr int D4 = DK / 4, NJ = DK / (4 * GDN_TPR);
     const int h = blockIdx.x, tid = threadIdx.x;
     const int r = tid / GDN_TPR, part = tid % GDN_TPR, row = blockIdx.y * GDN_ROWS + r;
@@ -186,6 +199,8 @@ __device__ __forceinline__ void gdn_step_one(const float* qkv, const float* a, c
     float4 s[NJ];
     float4* st = gdn_load_state<DK>(state, h, row, part, dv, live, s);
     const float qscale = rsqrtf((float)DK), neg_a = -expf(a_log[h]), dtb = dt_bias[h];
+    const bool gates = gate.g && part == 0 && live;
+    const float gain = gates ? gate.w[row] : 0.f;  // a weight: before the wait
     pdl_wait();
     const float4* in = reinterpret_cast<const float4*>(qkv);
     float4 q[NJ], k[NJ];
@@ -195,9 +210,25 @@ __device__ __forceinline__ void gdn_step_one(const float* qkv, const float* a, c
         k[j] = in[kd / 4 + kh * D4 + part + GDN_TPR * j];
     }
     const float v = live ? qkv[2 * kd + h * dv + row] : 0.f;
+    const float zv = gates ? gate.z[(size_t)h * dv + row] : 0.f;  // with the inputs' loads
     const float decay = expf(neg_a * softplus(a[h] + dtb)), beta = sigmoid(b[h]);
     gdn_normalise_qk<NJ, 1>(q, k, true, qscale, l2_eps);
     const float o = gdn_token_step<NJ, 1>(s, k, q, v, decay, beta);
+    if (gate.g) {
+        // The block's sum of squares over its rows, in row order.
+        __shared__ float row_sq[GDN_ROWS];
+        if (part == 0) row_sq[r] = live ? o * o : 0.f;
+        if (gates) gate.g[(size_t)h * dv + row] = o * gain * silu(zv);
+        gdn_store_state(st, part, live, s);
+        __syncthreads();
+        if (tid == 0) {
+            float sq = 0.f;
+#pragma unroll
+            for (int i = 0; i < GDN_ROWS; ++i) sq += row_sq[i];
+            gate.partials[(size_t)h * gridDim.y + blockIdx.y] = sq;
+        }
+        return;
+    }
     if (part == 0 && live) y[(size_t)h * dv + row] = o;
     gdn_store_state(st, part, live, s);
 }
@@ -264,14 +295,15 @@ __device__ __forceinline__ void gdn_recurrence_impl(const float* qkv, const floa
     gdn_store_state(st, part, live, s);
 }
 
-// Key dims 64, 128 and 256. Launch with 128 threads and (Hv, ceil(dv / 8)) blocks.
+// Key dims 64, 128 and 256. Launch with 128 threads and (Hv, ceil(dv / 8)) blocks. A GdnGate
+// (one token only) leaves the output norm to the out_proj.
 #define GDN_RECURRENCE(DK)                                                                                  \
     extern "C" __global__ void __launch_bounds__(GDN_THREADS)                                              \
         gdn_recurrence_k##DK(const float* qkv, const float* a, const float* b, const float* a_log,        \
                              const float* dt_bias, float* state, float* y, int tokens, int hk, int hv, int dv, \
-                             float l2_eps) {                                                                \
+                             float l2_eps, GdnGate gate) {                                                  \
         pdl_launch_dependents();                                                                            \
-        if (tokens == 1) gdn_step_one<DK>(qkv, a, b, a_log, dt_bias, state, y, hk, hv, dv, l2_eps);         \
+        if (tokens == 1) gdn_step_one<DK>(qkv, a, b, a_log, dt_bias, state, y, hk, hv, dv, l2_eps, gate);   \
         else gdn_recurrence_impl<DK>(qkv, a, b, a_log, dt_bias, state, y, tokens, hk, hv, dv, l2_eps);     \
     }
 GDN_RECURRENCE(64)

@@ -43,9 +43,10 @@ __device__ __forceinline__ float code_value(u32 word, u32 shifted, int j) {
 //   xsum[v] (after the cols values) = the sum of x over vector v's 4 * PER_WORD columns, which
 //     every row's group bias multiplies: summed once per block instead of once per row, in the
 //     order the loop used to sum it.
-// One thread per vector (four words). Shared memory: gemv_smem_bytes(cols) in mod.rs.
-template <int BITS>
-__device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, int cols) {
+// One thread per vector (four words). Shared memory: gemv_smem_bytes(cols) in mod.rs. `scale(v)`
+// multiplies vector v's values as they are read (stage_x: none; a HeadNorm: its head's norm).
+template <int BITS, class Scale>
+__device__ __forceinline__ void stage_x_scaled(float* xs, const float* __restrict__ x, int cols, Scale scale) {
     constexpr int PER_WORD = 32 / BITS;
     const int words = cols / PER_WORD, vecs = words / 4;
     float* xsum = xs + cols;
@@ -59,6 +60,11 @@ __device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, 
                 const float4 a = src[k * PER_WORD / 4 + h];
                 f[k][4 * h] = a.x, f[k][4 * h + 1] = a.y, f[k][4 * h + 2] = a.z, f[k][4 * h + 3] = a.w;
             }
+        const float sv = scale(v);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int j = 0; j < PER_WORD; ++j) f[k][j] *= sv;
         float sx = 0.f;
 #pragma unroll
         for (int j = 0; j < PER_WORD; ++j) {
@@ -69,6 +75,11 @@ __device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, 
         }
         xsum[v] = sx;
     }
+}
+
+template <int BITS>
+__device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, int cols) {
+    stage_x_scaled<BITS>(xs, x, cols, [](int) { return 1.f; });
 }
 
 // One token's input row normed lazily: rmsnorm(x) * gains, where the kernel that wrote the
@@ -251,14 +262,21 @@ struct QRows {
 // now: see above); returns the scale of the row's RowNorm (1 without one), whose partials are
 // loaded before the staging and summed after it. Every thread of the block calls it, after the
 // wait for the kernel that wrote x.
-template <int BITS>
-__device__ __forceinline__ float stage_input(float* xs, const float* __restrict__ x, int cols, const RowNorm& nrm) {
+// `scale` as stage_x_scaled's.
+template <int BITS, class Scale>
+__device__ __forceinline__ float stage_input_scaled(float* xs, const float* __restrict__ x, int cols,
+                                                    const RowNorm& nrm, Scale scale) {
     float part[ROW_NORM_LOADS];
     row_norm_load(nrm, part);
-    stage_x<BITS>(xs, x, cols);
+    stage_x_scaled<BITS>(xs, x, cols, scale);
     __syncthreads();
     pdl_launch_dependents();
     return row_norm_scale(nrm, part);
+}
+
+template <int BITS>
+__device__ __forceinline__ float stage_input(float* xs, const float* __restrict__ x, int cols, const RowNorm& nrm) {
+    return stage_input_scaled<BITS>(xs, x, cols, nrm, [](int) { return 1.f; });
 }
 
 // The matrix-vector variants, by the rows each warp takes (and the blocks per SM their registers
@@ -460,14 +478,45 @@ __device__ __forceinline__ void block_total_to(float* partials, float v) {
     if (threadIdx.x == 0) partials[blockIdx.x] = t;
 }
 
+// The GDN output norm left by the one-token recurrence (GdnGate, gdn.cu) to the output
+// projection: its input row is g = y * w * silu(z), and head h (`dim` columns) is scaled by
+// rsqrt(mean(y_h^2) + eps), from the head's `parts` partial sums of squares (partials [heads]
+// [parts], summed in order). A vector of codes' columns lie in one head (dim a multiple of 32),
+// so the scale is applied as each vector is staged; every thread staging a vector sums its head's
+// partials, loaded beside the vector's values. Passed by value.
+struct HeadNorm {
+    const float* partials;
+    int parts;
+    int dim;
+    float eps;
+};
+
+// Head h's scale.
+__device__ __forceinline__ float head_norm_inv(const HeadNorm& hn, int h) {
+    const float* p = hn.partials + (size_t)h * hn.parts;
+    float sq = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < hn.parts; ++i) sq += p[i];
+    return 1.f / sqrtf(sq / (float)hn.dim + hn.eps);
+}
+
+// The row made plain, out[c] = g[c] * its head's scale, as the staging scales it (for the other
+// readers of a lazily normed GDN output). One thread per column.
+extern "C" __global__ void head_norm_apply(const float* g, HeadNorm hn, float* out, int cols) {
+    grid_dep();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < cols) out[c] = g[c] * head_norm_inv(hn, c / hn.dim);
+}
+
 // x_out[r] = x_in[r] + w[r] . y for one token: a mixer's output projection added to the
 // residual, whose next norm (gains `gains`) is left to the products that read it (RowNorm:
 // x_out * gains into xg, each block's sum of squares of its rows into partials[blockIdx.x]).
-// qgemv's blocks and variants.
-template <int BITS, int R, int U, int LANES>
-__device__ __forceinline__ void qgemv_add_sumsq(QMat w, const float* __restrict__ y, const float* x_in, float* x_out,
-                                                const float* gains, float* xg, float* partials, int rows,
-                                                int cols) {
+// qgemv's blocks and variants. GATED: y is the GDN's g with its HeadNorm (a kernel of its own,
+// so that the plain one keeps its registers).
+template <int BITS, int R, int U, int LANES, bool GATED>
+__device__ __forceinline__ void qgemv_add_sumsq(QMat w, const float* __restrict__ y, const HeadNorm& hn,
+                                                const float* x_in, float* x_out, const float* gains, float* xg,
+                                                float* partials, int rows, int cols) {
     extern __shared__ float xs[];
     QRows<BITS, R, U, LANES> m(w, first_row<R, LANES>(warp_in_grid()), rows, cols);
     m.load(0);
@@ -478,7 +527,11 @@ __device__ __forceinline__ void qgemv_add_sumsq(QMat w, const float* __restrict_
         res[r] = m.writer(r) ? x_in[m.row0 + r] : 0.f;
         gain[r] = m.writer(r) ? gains[m.row0 + r] : 0.f;
     }
-    stage_input<BITS>(xs, y, cols, RowNorm{});  // y is the plain row: no scale
+    if (GATED)
+        stage_input_scaled<BITS>(xs, y, cols, RowNorm{},
+                                 [&](int v) { return head_norm_inv(hn, v * 4 * (32 / BITS) / hn.dim); });
+    else
+        stage_input<BITS>(xs, y, cols, RowNorm{});  // y is the plain row: no scale
     float sq = 0.f;
     if (!warp_idle<R, LANES>(warp_in_grid(), rows)) {
         float acc[R] = {};
@@ -495,17 +548,17 @@ __device__ __forceinline__ void qgemv_add_sumsq(QMat w, const float* __restrict_
     block_total_to(partials, sq);
 }
 
-#define QGEMV_ADD_SUMSQ(R, U, LANES, SUFFIX, MIN_BLOCKS)                                                 \
-    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS) q4_gemv_add_sumsq##SUFFIX(                       \
-        QMat w, const float* y, const float* x_in, float* x_out, const float* gains, float* xg,          \
-        float* partials, int rows, int cols) {                                                           \
-        qgemv_add_sumsq<4, R, U, LANES>(w, y, x_in, x_out, gains, xg, partials, rows, cols);             \
-    }                                                                                                    \
-    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS) q8_gemv_add_sumsq##SUFFIX(                       \
-        QMat w, const float* y, const float* x_in, float* x_out, const float* gains, float* xg,          \
-        float* partials, int rows, int cols) {                                                           \
-        qgemv_add_sumsq<8, R, U, LANES>(w, y, x_in, x_out, gains, xg, partials, rows, cols);             \
+#define QGEMV_ADD_SUMSQ_KERNEL(BITS, NAME, GATED, R, U, LANES, MIN_BLOCKS)                              \
+    extern "C" __global__ void GEMV_BOUNDS(MIN_BLOCKS)                                                  \
+        NAME(QMat w, const float* y, HeadNorm hn, const float* x_in, float* x_out, const float* gains,   \
+             float* xg, float* partials, int rows, int cols) {                                           \
+        qgemv_add_sumsq<BITS, R, U, LANES, GATED>(w, y, hn, x_in, x_out, gains, xg, partials, rows, cols); \
     }
+#define QGEMV_ADD_SUMSQ(R, U, LANES, SUFFIX, MIN_BLOCKS)                                                 \
+    QGEMV_ADD_SUMSQ_KERNEL(4, q4_gemv_add_sumsq##SUFFIX, false, R, U, LANES, MIN_BLOCKS)               \
+    QGEMV_ADD_SUMSQ_KERNEL(8, q8_gemv_add_sumsq##SUFFIX, false, R, U, LANES, MIN_BLOCKS)               \
+    QGEMV_ADD_SUMSQ_KERNEL(4, q4_gemv_add_sumsq_gated##SUFFIX, true, R, U, LANES, MIN_BLOCKS)          \
+    QGEMV_ADD_SUMSQ_KERNEL(8, q8_gemv_add_sumsq_gated##SUFFIX, true, R, U, LANES, MIN_BLOCKS)
 GEMV_VARIANTS(QGEMV_ADD_SUMSQ)
 
 // out[t][c] = dequantized row ids[t] of the table. One block per token.
