@@ -176,7 +176,6 @@ def build(d: str):
     }
 
 
-
 def llama_source(lmeta, machine):
     """What llama.cpp was: llama-bench's build commit, or, where the tree had no git (the pinned
     sdist's vendored source reports "unknown"), the source line bench_h200.sh wrote into
@@ -188,6 +187,7 @@ def llama_source(lmeta, machine):
         if line.startswith("llama.cpp:"):
             return "from " + line.split(":", 1)[1].strip()
     return commit
+
 
 def markdown(res) -> str:
     rows = res["rows"]

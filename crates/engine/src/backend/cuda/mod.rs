@@ -37,15 +37,6 @@ pub struct DevBuf<T> {
 }
 
 impl<T> DevBuf<T> {
-    /// No memory: a null address (a lazily computed tensor's own buffer).
-    fn empty() -> DevBuf<T> {
-        DevBuf {
-            ptr: 0,
-            len: 0,
-            _owned: None,
-        }
-    }
-
     /// The first `len` elements of a pool buffer, owned.
     fn owned(slice: CudaSlice<T>, len: usize, stream: &CudaStream) -> DevBuf<T> {
         let ptr = slice.device_ptr(stream).0;
@@ -133,6 +124,22 @@ impl CudaTensor {
             rows,
             cols,
             lazy: None,
+        }
+    }
+
+    /// One token's row of `cols` that its readers finish (`Lazy`): its own buffer is empty (a
+    /// null address), so that an op reading it as plain values would fault.
+    fn lazy(cols: usize, lazy: Lazy) -> CudaTensor {
+        let empty = DevBuf {
+            ptr: 0,
+            len: 0,
+            _owned: None,
+        };
+        CudaTensor {
+            buf: empty,
+            rows: 1,
+            cols,
+            lazy: Some(lazy),
         }
     }
 }
@@ -1013,22 +1020,31 @@ impl CudaBackend {
         Ok((&rt.ids, &rt.weights))
     }
 
-    /// Routes a pending token's logits into `rt.ids` and `rt.weights` (`moe_route`).
+    /// Routes a pending token's logits into `rt.ids` and `rt.weights`.
     fn settle(&self, rt: &CudaRouting) -> Result<()> {
-        let Some(d) = rt.deferred.take() else {
+        match rt.deferred.take() {
+            Some(d) => self.launch_route(self.ptr(&d.logits.buf), rt, d.renormalize),
+            None => Ok(()),
+        }
+    }
+
+    /// `moe_route` over `rt.tokens` rows of `rt.num_experts` logits at `logits`, into `rt.ids`
+    /// and `rt.weights`: one warp a token.
+    fn launch_route(&self, logits: u64, rt: &CudaRouting, renormalize: bool) -> Result<()> {
+        if rt.tokens == 0 {
             return Ok(());
-        };
+        }
         launch!(
             self,
             self.k.moe_route,
-            cfg((1, 1), 32, 0),
+            cfg((rt.tokens as u32, 1), 32, 0),
             [
-                self.ptr(&d.logits.buf),
+                logits,
                 self.ptr(&rt.ids),
                 self.ptr(&rt.weights),
                 rt.num_experts as i32,
                 rt.top_k as i32,
-                d.renormalize as i32
+                renormalize as i32
             ]
         )
     }
@@ -1989,18 +2005,16 @@ impl CudaBackend {
         w: &CudaSlice<f32>,
         eps: f32,
     ) -> CudaTensor {
-        CudaTensor {
-            buf: DevBuf::empty(),
-            rows: 1,
-            cols: x.cols,
-            lazy: Some(Lazy::Norm(LazyNorm {
+        CudaTensor::lazy(
+            x.cols,
+            Lazy::Norm(LazyNorm {
                 x: x.buf.clone(),
                 input: input.buf,
                 partials,
                 gains: self.ptr(w),
                 eps,
-            })),
-        }
+            }),
+        )
     }
 
     /// Copies `n` elements between device addresses (stream-ordered).
@@ -2726,12 +2740,7 @@ impl Backend for CudaBackend {
     fn last_row(&self, x: &CudaTensor) -> Result<CudaTensor> {
         // One token's lazily normed row stays lazy (the lm_head's product takes it).
         if let (1, Some(Lazy::Norm(lazy))) = (x.rows, &x.lazy) {
-            return Ok(CudaTensor {
-                buf: x.buf.clone(),
-                rows: 1,
-                cols: x.cols,
-                lazy: Some(Lazy::Norm(lazy.clone())),
-            });
+            return Ok(CudaTensor::lazy(x.cols, Lazy::Norm(lazy.clone())));
         }
         plain!(self, x);
         let out = self.tensor(1, x.cols)?;
@@ -2863,18 +2872,16 @@ impl Backend for CudaBackend {
             partials: partials.ptr,
         };
         let g = self.gdn_recurrence_with(qkv, a, b, [a_log, dt_bias], s, sh, Some(gate))?;
-        Ok(CudaTensor {
-            buf: DevBuf::empty(),
-            rows: 1,
-            cols: g.cols,
-            lazy: Some(Lazy::Gate(LazyGate {
+        Ok(CudaTensor::lazy(
+            g.cols,
+            Lazy::Gate(LazyGate {
                 g: g.buf,
                 partials,
                 parts,
                 dim: dv,
                 eps,
-            })),
-        })
+            }),
+        ))
     }
 
     fn gated_rms_norm(
@@ -3121,31 +3128,16 @@ impl Backend for CudaBackend {
         let e = logits.cols;
         check_routing(e, top_k)?;
         let t = logits.rows;
-        let ids = self.tmp::<i32>(t * top_k)?;
-        let weights = self.tmp::<f32>(t * top_k)?;
-        if t > 0 {
-            launch!(
-                self,
-                self.k.moe_route,
-                cfg((t as u32, 1), 32, 0),
-                [
-                    self.ptr(&logits.buf),
-                    self.ptr(&ids),
-                    self.ptr(&weights),
-                    e as i32,
-                    top_k as i32,
-                    renormalize as i32
-                ]
-            )?;
-        }
-        Ok(CudaRouting {
-            ids,
-            weights,
+        let rt = CudaRouting {
+            ids: self.tmp::<i32>(t * top_k)?,
+            weights: self.tmp::<f32>(t * top_k)?,
             tokens: t,
             top_k,
             num_experts: e,
             deferred: Cell::new(None),
-        })
+        };
+        self.launch_route(self.ptr(&logits.buf), &rt, renormalize)?;
+        Ok(rt)
     }
 
     fn route_tokens(
