@@ -215,18 +215,11 @@ __device__ __forceinline__ void gdn_step_one(const float* qkv, const float* a, c
     gdn_normalise_qk<NJ, 1>(q, k, true, qscale, l2_eps);
     const float o = gdn_token_step<NJ, 1>(s, k, q, v, decay, beta);
     if (gate.g) {
-        // The block's sum of squares over its rows, in row order.
-        __shared__ float row_sq[GDN_ROWS];
-        if (part == 0) row_sq[r] = live ? o * o : 0.f;
         if (gates) gate.g[(size_t)h * dv + row] = o * gain * silu(zv);
         gdn_store_state(st, part, live, s);
-        __syncthreads();
-        if (tid == 0) {
-            float sq = 0.f;
-#pragma unroll
-            for (int i = 0; i < GDN_ROWS; ++i) sq += row_sq[i];
-            gate.partials[(size_t)h * gridDim.y + blockIdx.y] = sq;
-        }
+        // The block's sum of squares over its rows (one thread's o a row).
+        const float sq = block_sum<false>(part == 0 && live ? o * o : 0.f);
+        if (tid == 0) gate.partials[(size_t)h * gridDim.y + blockIdx.y] = sq;
         return;
     }
     if (part == 0 && live) y[(size_t)h * dv + row] = o;
