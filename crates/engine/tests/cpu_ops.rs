@@ -71,6 +71,15 @@ fn qmatmul_rejects_a_mismatched_input() {
 }
 
 #[test]
+fn leaving_kernels_out_of_decode_is_refused_on_the_cpu() {
+    // `lily bench --without-kernel` needs recorded decode steps (the CUDA backend's).
+    let err = backend()
+        .leave_out_of_decode("gemv")
+        .expect_err("the CPU backend records no decode steps");
+    assert!(err.to_string().contains("GPU only"), "{err}");
+}
+
+#[test]
 fn dequant_agrees_with_the_mlx_packing_rule() {
     // 0x22111100 holds codes 0,0,1,1,1,1,2,2 (low nibble first).
     let w = QWeight {

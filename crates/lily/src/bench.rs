@@ -32,6 +32,12 @@ pub struct BenchArgs {
     /// kernel of one prefill chunk where it runs (GPU only), and report the cost per kernel.
     #[arg(long)]
     pub profile: bool,
+    /// Leave every launch of one kernel family (a prefix of its profile label, e.g.
+    /// `gemv_batch_stream`) out of the recorded decode steps, to measure what the family costs
+    /// inside the step against a run without this flag. The decoded tokens are then meaningless
+    /// (GPU only).
+    #[arg(long, value_name = "LABEL")]
+    pub without_kernel: Option<String>,
     /// The state's capacity in positions, as `lily serve --max-seq` sizes it (default: the
     /// prompt and decode steps). Recorded decode steps size their attention grid for the
     /// power-of-two bucket of the context, capped at this.
@@ -55,6 +61,10 @@ pub fn fnv1a64(tokens: &[u32]) -> String {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     anyhow::ensure!(a.prompt_len >= 1, "--prompt-len must be at least 1");
+    anyhow::ensure!(
+        !(a.profile && a.without_kernel.is_some()),
+        "--profile times every kernel of a whole step; --without-kernel leaves one family out: pass one of them"
+    );
     let device = crate::open_device(a.model.device, a.model.threads)?;
     crate::with_engine!(device, &a.model.model, |eng| bench_on(&eng, &a))
 }
@@ -72,6 +82,13 @@ fn bench_on<B: engine::backend::Backend>(
         max_seq >= needed,
         "--max-seq {max_seq} is below the {needed} positions the prompt and decode steps need"
     );
+
+    if let Some(label) = &a.without_kernel {
+        eng.backend.leave_out_of_decode(label)?;
+        eprintln!(
+            "--without-kernel {label}: left out of every recorded decode step; the decoded tokens are meaningless"
+        );
+    }
 
     // Warm-up on a throwaway state: one prefill chunk and two decode steps.
     {
@@ -157,6 +174,7 @@ fn bench_on<B: engine::backend::Backend>(
             "decode_steps": a.decode_steps,
             "decode_mode": "sequential",
             "max_seq": max_seq,
+            "without_kernel": a.without_kernel,
         },
         "results": {
             "prefill": {

@@ -351,6 +351,16 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     // ---- decode steps
+    /// From now on, leaves every launch whose profile label starts with `label` out of the
+    /// recorded decode steps, so that a benchmark measures what that kernel family costs inside
+    /// the step (`lily bench --without-kernel`). The step's outputs are then meaningless: for
+    /// measurement only, never for serving. Backends that record no steps refuse.
+    fn leave_out_of_decode(&self, label: &str) -> Result<()> {
+        Err(Error::Invalid(format!(
+            "leaving `{label}` out: this backend records no decode steps (GPU only)"
+        )))
+    }
+
     /// Runs `run` (one decode step, one prefill chunk) and, where the backend can, times each
     /// kernel it launched as `mode` says. `None` where the backend has no kernels to time.
     fn profile(

@@ -11,7 +11,7 @@ pub mod nvrtc;
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
     CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
@@ -576,6 +576,8 @@ pub struct CudaBackend {
     attn_min_chunk: usize,
     /// While profiling: every launch, for replay in isolation.
     trace: Mutex<Option<Vec<Traced>>>,
+    /// The kernel family left out of recorded decode steps (`leave_out_of_decode`).
+    left_out: OnceLock<String>,
     tracing: AtomicBool,
     /// While profiling in place: events around every launch (the run's temporaries then come
     /// from the pool as usual, since nothing is replayed).
@@ -1005,6 +1007,7 @@ impl CudaBackend {
                 .filter(|&n| n > 0)
                 .unwrap_or(ATTN_MIN_CHUNK),
             trace: Mutex::new(None),
+            left_out: OnceLock::new(),
             tracing: AtomicBool::new(false),
             in_place: AtomicBool::new(false),
         })
@@ -1085,6 +1088,14 @@ impl CudaBackend {
         // decode there, and costs prefill's large kernels 5-7% (early-launched dependents
         // waiting on SMs; docs/performance.md, run9).
         let pdl = self.pdl && self.recording();
+        if self.recording()
+            && let Some(left_out) = self.left_out.get()
+            && label
+                .trim_start_matches("self.k.")
+                .starts_with(left_out.as_str())
+        {
+            return Ok(());
+        }
         unsafe { self.launch_raw(f.cu_function(), &cfg, &mut params[..args.len()], pdl) }?;
         if tracing
             && let Ok(mut t) = self.trace.lock()
@@ -3321,6 +3332,26 @@ impl Backend for CudaBackend {
         PREFILL_CHUNK
     }
 
+    fn leave_out_of_decode(&self, label: &str) -> Result<()> {
+        if label.is_empty() {
+            return Err(Error::Invalid(
+                "leaving kernels out: the label prefix is empty (it would leave out every kernel)"
+                    .into(),
+            ));
+        }
+        self.left_out.set(label.to_string()).map_err(|_| {
+            Error::Invalid(format!(
+                "leaving `{label}` out: `{}` is left out already",
+                self.left_out.get().map_or("", |l| l.as_str())
+            ))
+        })?;
+        // Steps recorded before now launched it: record again, into zeroed temporaries.
+        let mut st = self.lock_step()?;
+        st.graph = None;
+        st.arena = None;
+        Ok(())
+    }
+
     fn profile(
         &self,
         mode: ProfileMode,
@@ -3435,7 +3466,16 @@ impl Backend for CudaBackend {
             if st.arena.is_none() || attempt > 0 {
                 let bytes = st.arena.as_ref().map_or(ARENA_BYTES, |a| 2 * a.len());
                 st.arena = None;
-                st.arena = Some(self.alloc::<u8>(bytes)?);
+                st.arena = Some(if self.left_out.get().is_some() {
+                    // A left-out kernel's outputs are never written: zeros (expert ids 0, say)
+                    // rather than whatever the memory held.
+                    self.dev
+                        .stream
+                        .alloc_zeros::<u8>(bytes)
+                        .map_err(driver("allocation"))?
+                } else {
+                    self.alloc::<u8>(bytes)?
+                });
             }
             drop(st);
             self.bucket.store(bucket, Ordering::Relaxed);
