@@ -3345,10 +3345,9 @@ impl Backend for CudaBackend {
                 self.left_out.get().map_or("", |l| l.as_str())
             ))
         })?;
-        // Steps recorded before now launched it: record again, into zeroed temporaries.
+        // Steps recorded before now launched it: record again.
         let mut st = self.lock_step()?;
         st.graph = None;
-        st.arena = None;
         Ok(())
     }
 
@@ -3466,16 +3465,18 @@ impl Backend for CudaBackend {
             if st.arena.is_none() || attempt > 0 {
                 let bytes = st.arena.as_ref().map_or(ARENA_BYTES, |a| 2 * a.len());
                 st.arena = None;
-                st.arena = Some(if self.left_out.get().is_some() {
-                    // A left-out kernel's outputs are never written: zeros (expert ids 0, say)
-                    // rather than whatever the memory held.
-                    self.dev
-                        .stream
-                        .alloc_zeros::<u8>(bytes)
-                        .map_err(driver("allocation"))?
-                } else {
-                    self.alloc::<u8>(bytes)?
-                });
+                st.arena = Some(self.alloc::<u8>(bytes)?);
+            }
+            if self.left_out.get().is_some()
+                && let Some(arena) = st.arena.as_mut()
+            {
+                // A left-out kernel's outputs are never written: the step's temporaries read
+                // zeros (expert ids 0, say), not what an earlier recording (another context
+                // bucket, its temporaries at other offsets) left there.
+                self.dev
+                    .stream
+                    .memset_zeros(arena)
+                    .map_err(driver("memset"))?;
             }
             drop(st);
             self.bucket.store(bucket, Ordering::Relaxed);
