@@ -3333,6 +3333,12 @@ impl Backend for CudaBackend {
     }
 
     fn leave_out_of_decode(&self, label: &str) -> Result<()> {
+        if !self.graphs {
+            // Only recorded steps leave it out: eager steps would time the whole step.
+            return Err(Error::Invalid(format!(
+                "leaving `{label}` out: decode steps are not recorded (LILY_CUDA_GRAPHS=0)"
+            )));
+        }
         if label.is_empty() {
             return Err(Error::Invalid(
                 "leaving kernels out: the label prefix is empty (it would leave out every kernel)"
