@@ -1064,6 +1064,14 @@ impl CudaBackend {
         args: &[&dyn KernelArg],
         bytes: u64,
     ) -> Result<()> {
+        // The name profiles print and `leave_out_of_decode` matches: the kernel's field.
+        let label = label.trim_start_matches("self.k.");
+        if self.recording()
+            && let Some(left_out) = self.left_out.get()
+            && label.starts_with(left_out.as_str())
+        {
+            return Ok(());
+        }
         let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); 24];
         if args.len() > params.len() {
             return Err(Error::Backend(format!(
@@ -1088,14 +1096,6 @@ impl CudaBackend {
         // decode there, and costs prefill's large kernels 5-7% (early-launched dependents
         // waiting on SMs; docs/performance.md, run9).
         let pdl = self.pdl && self.recording();
-        if self.recording()
-            && let Some(left_out) = self.left_out.get()
-            && label
-                .trim_start_matches("self.k.")
-                .starts_with(left_out.as_str())
-        {
-            return Ok(());
-        }
         unsafe { self.launch_raw(f.cu_function(), &cfg, &mut params[..args.len()], pdl) }?;
         if tracing
             && let Ok(mut t) = self.trace.lock()
@@ -1106,7 +1106,7 @@ impl CudaBackend {
                 None => None,
             };
             t.push(Traced {
-                label: label.trim_start_matches("self.k."),
+                label,
                 function: f.cu_function(),
                 cfg,
                 args: args.iter().map(|a| a.bytes().to_vec()).collect(),
