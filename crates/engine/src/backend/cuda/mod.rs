@@ -563,6 +563,9 @@ pub struct CudaBackend {
     /// `moe_down_mix`'s ticket counters, one per block of rows (zero between launches: the
     /// last block of each resets it).
     mix_counters: CudaSlice<u32>,
+    /// One token's expert ids handed from the gate/up kernel to the down kernel: the flag and
+    /// the down blocks that read it (zero between launches; kernels/quant.cu, `flagged_expert`).
+    ids_ready: CudaSlice<u32>,
     step: Mutex<StepState>,
     /// Set while a decode step is being recorded: temporaries come from the arena, and the
     /// position-dependent kernels read `params`.
@@ -981,6 +984,10 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<u32>(MIX_COUNTERS)
             .map_err(driver("allocation"))?;
+        let ids_ready = dev
+            .stream
+            .alloc_zeros::<u32>(2)
+            .map_err(driver("allocation"))?;
         let sms = dev
             .ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -996,6 +1003,7 @@ impl CudaBackend {
             sms,
             params,
             mix_counters,
+            ids_ready,
             step: Mutex::new(StepState::default()),
             capturing: AtomicBool::new(false),
             bucket: AtomicUsize::new(0),
@@ -1066,10 +1074,7 @@ impl CudaBackend {
     ) -> Result<()> {
         // The name profiles print and `leave_out_of_decode` matches: the kernel's field.
         let label = label.trim_start_matches("self.k.");
-        if self.recording()
-            && let Some(left_out) = self.left_out.get()
-            && label.starts_with(left_out.as_str())
-        {
+        if self.is_left_out(label) {
             return Ok(());
         }
         let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); 24];
@@ -1115,6 +1120,21 @@ impl CudaBackend {
             });
         }
         Ok(())
+    }
+
+    /// Whether launches labelled `label` are left out of the step being recorded
+    /// (`leave_out_of_decode`).
+    fn is_left_out(&self, label: &str) -> bool {
+        self.recording()
+            && self
+                .left_out
+                .get()
+                .is_some_and(|l| label.starts_with(l.as_str()))
+    }
+
+    /// Whether launches are traced to be replayed alone afterwards (`profile`, not in place).
+    fn replayed(&self) -> bool {
+        self.tracing.load(Ordering::Relaxed) && !self.in_place.load(Ordering::Relaxed)
     }
 
     /// A timing event recorded on the stream now.
@@ -1339,11 +1359,20 @@ impl CudaBackend {
                 (stride.div_ceil(rows_per_block) as u32, all as u32),
             )
         };
+        // One token's down-and-mix kernel loads its experts' weights as soon as the gate/up
+        // kernel has routed the token (`flagged_expert`, kernels/quant.cu). Not when the
+        // launches are replayed alone (nothing would set the flag), nor when the gate/up is left
+        // out of the step.
+        let ids_ready = if t == 1 && mix.is_some() && !self.replayed() && !self.is_left_out(label) {
+            self.ptr(&self.ids_ready)
+        } else {
+            0
+        };
         let (logits, renormalize) = match &deferred {
             Some(d) => (self.ptr(&d.logits.buf), d.renormalize),
             None => (0, false),
         };
-        let args: [&dyn KernelArg; 17] = [
+        let args: [&dyn KernelArg; 18] = [
             &self.qarg(gate),
             &self.qarg(up),
             &sgate,
@@ -1361,13 +1390,14 @@ impl CudaBackend {
             &(rt.num_experts as i32),
             &(renormalize as i32),
             &self.ptr(&rt.weights),
+            &ids_ready,
         ];
         // SAFETY: both kernels take (QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
         // const float* x, float* act, int top_k, int pairs, int inter, int inter_s,
         // int hidden, RowNorm nrm, const float* logits, int experts, int renormalize,
-        // float* weights) and gemv_smem_bytes(hidden) of shared memory; act holds all pairs'
-        // rows of `stride`; the generic kernel gets no logits (the routing is settled above
-        // unless t == 1).
+        // float* weights, u32* ids_ready) and gemv_smem_bytes(hidden) of shared memory; act
+        // holds all pairs' rows of `stride`; the generic kernel gets no logits (the routing is
+        // settled above unless t == 1) and no ids_ready.
         unsafe {
             self.launch(
                 f,
@@ -1406,7 +1436,8 @@ impl CudaBackend {
                     rt.top_k as i32,
                     inter as i32,
                     inter_s as i32,
-                    hidden as i32
+                    hidden as i32,
+                    ids_ready
                 ],
                 bytes = down_bytes
             )?;
@@ -1908,9 +1939,7 @@ impl CudaBackend {
         // While profiling, temporaries must outlive the step too: the profiler replays its
         // launches afterwards, and a pool buffer freed mid-step is reused by the next op (a
         // replayed expert product would then read garbage expert ids).
-        let replayed =
-            self.tracing.load(Ordering::Relaxed) && !self.in_place.load(Ordering::Relaxed);
-        if !self.recording() && !replayed {
+        if !self.recording() && !self.replayed() {
             return Ok(DevBuf::owned(self.alloc::<T>(n)?, n, &self.dev.stream));
         }
         let mut st = self.lock_step()?;

@@ -450,6 +450,20 @@ __device__ __forceinline__ float load_cg(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+__device__ __forceinline__ int load_cg(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+// A flag another kernel's block sets (release) and this one reads (acquire), device-wide.
+__device__ __forceinline__ u32 load_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release(u32* p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 
 // Whether this block is the last of `blocks` blocks to get here, by a ticket from `counter`
 // (zero between launches: the last block sets it back). Every thread of the block must call it
@@ -646,12 +660,13 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 // longer (docs/performance.md, session 17). Routing in every block costs no more than reading the
 // ids. A kernel for each KEYS (up to 256 experts, up to 512): with both routings in one, its code
 // was 94 KB against 56, and its warps waited for instructions 10.6% of their cycles (Nsight
-// Compute, session 18).
+// Compute, session 18). With `ids_ready`, block 0 flags the ids to the down kernel once they are
+// written (flagged_expert, below).
 template <int BITS, int KEYS>
 __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
                                                    const float* x, float* act, int pairs, int inter, int inter_s,
                                                    int hidden, const RowNorm& nrm, const float* logits, int experts,
-                                                   int renormalize, float* weights) {
+                                                   int renormalize, float* weights, u32* ids_ready) {
     using Rows = QRows<BITS, 1, 2, 32>;
     extern __shared__ float xs[];
     __shared__ int routed[32];
@@ -690,6 +705,14 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
             weights[threadIdx.x] = routed_weights[threadIdx.x];
         }
     }
+    // Block 0 tells the expert down kernel that the ids are written (IdsReady, moe_down).
+    if (ids_ready && blockIdx.x == 0) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();  // the block's ids writes, ordered by the barrier (as last_block)
+            store_release(ids_ready, 1u);
+        }
+    }
     if (!early) {
         cur = row_at(min(g, total - 1));
         if (g < total) {
@@ -715,32 +738,65 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
     extern "C" __global__ void GEMV_BOUNDS(2)                                                                \
         NAME(QMat gate, QMat up, QMat sgate, QMat sup, int* ids, const float* x, float* act, int top_k,      \
              int pairs, int inter, int inter_s, int hidden, RowNorm nrm, const float* logits, int experts,   \
-             int renormalize, float* weights) {                                                              \
+             int renormalize, float* weights, u32* ids_ready) {                                              \
         moe_gate_up_stream<BITS, KEYS>(gate, up, sgate, sup, ids, x, act, pairs, inter, inter_s, hidden, nrm, \
-                                       logits, experts, renormalize, weights);                               \
+                                       logits, experts, renormalize, weights, ids_ready);                    \
     }
 MOE_GATE_UP_STREAM(q4_moe_gate_up_stream, 4, 8)
 MOE_GATE_UP_STREAM(q8_moe_gate_up_stream, 8, 8)
 MOE_GATE_UP_STREAM(q4_moe_gate_up_stream_e512, 4, 16)
 MOE_GATE_UP_STREAM(q8_moe_gate_up_stream_e512, 8, 16)
 
+// One token's routed expert ids handed from the gate/up kernel (moe_gate_up_stream) to the down
+// kernel before the gate/up kernel has finished: its block 0 sets ids_ready[0] (release) once it
+// has written the ids, and each routed block of the down kernel reads the flag (acquire) and its
+// expert's id, then loads its weights before its wait for the gate/up outputs. The routed blocks
+// count themselves in ids_ready[1]; the last to read clears both words, so the flag is zero
+// between launches. Block 0 sets it before it lets the down kernel launch (pdl_launch_dependents,
+// which the down kernel waits for from every gate/up block), so the wait is short and cannot
+// hang. The weights then load during the gate/up kernel's last rows: decode +1.6-2.6%
+// (docs/performance.md, session 20).
+// Pair p's expert, once the flag is set. Every thread of the down kernel's routed blocks calls
+// it; `readers` is the number of those blocks.
+__device__ __forceinline__ int flagged_expert(u32* ids_ready, const int* ids, int p, u32 readers) {
+    __shared__ int id;
+    if (threadIdx.x == 0) {
+        while (load_acquire(ids_ready) == 0u) {
+        }
+        id = load_cg(ids + p);
+        if (atomicAdd(ids_ready + 1, 1u) == readers - 1u) {
+            ids_ready[1] = 0u;
+            ids_ready[0] = 0u;
+        }
+    }
+    __syncthreads();
+    return id;
+}
+
 // y[p][r] = down[r] . act[p]. Launch with 256 threads, (ceil(hidden / ROWS_PER_BLOCK),
-// pairs + tokens) blocks, gemv_smem_bytes(stride) of shared memory.
+// pairs + tokens) blocks, gemv_smem_bytes(stride) of shared memory. With `ids_ready` (one token
+// after moe_gate_up_stream), a routed block's weights are loaded before the wait (flagged_expert).
 template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, const float* act, float* y,
-                                         int pairs, int inter, int inter_s, int hidden) {
+                                         int pairs, int inter, int inter_s, int hidden, u32* ids_ready = nullptr) {
     extern __shared__ float xs[];
     const int p = blockIdx.y;
     const bool shared = p >= pairs;
     const int cols = shared ? inter_s : inter;
     QMat d = sdown;
     if (!shared) {
-        pdl_wait();
-        d = expert_slice<BITS>(down, (size_t)ids[p], hidden, inter);
+        int e;
+        if (ids_ready) {
+            e = flagged_expert(ids_ready, ids, p, gridDim.x * (u32)pairs);
+        } else {
+            pdl_wait();
+            e = ids[p];
+        }
+        d = expert_slice<BITS>(down, (size_t)e, hidden, inter);
     }
     QRows<BITS, R, U, LANES> m(d, first_row<R, LANES>(warp_in_grid()), hidden, cols);
     m.load(0);
-    if (shared) pdl_wait();
+    if (shared || ids_ready) pdl_wait();
     stage_x<BITS>(xs, act + (size_t)p * max(inter, inter_s), cols);
     __syncthreads();
     pdl_launch_dependents();  // only now: see "When the next kernel launches"
@@ -759,14 +815,14 @@ __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, 
     extern "C" __global__ void GEMV_BOUNDS(GATE_UP_MIN_BLOCKS(LANES, MIN_BLOCKS))                        \
         q4_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids, const float* x, \
                                float* act, int top_k, int pairs, int inter, int inter_s, int hidden,    \
-                               RowNorm nrm, const float*, int, int, float*) {                          \
+                               RowNorm nrm, const float*, int, int, float*, u32*) {                    \
         moe_gate_up<4, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,   \
                                               inter_s, hidden, nrm);                                    \
     }                                                                                                   \
     extern "C" __global__ void GEMV_BOUNDS(GATE_UP_MIN_BLOCKS(LANES, MIN_BLOCKS))                        \
         q8_moe_gate_up##SUFFIX(QMat gate, QMat up, QMat sgate, QMat sup, const int* ids, const float* x, \
                                float* act, int top_k, int pairs, int inter, int inter_s, int hidden,    \
-                               RowNorm nrm, const float*, int, int, float*) {                          \
+                               RowNorm nrm, const float*, int, int, float*, u32*) {                    \
         moe_gate_up<8, R, (U + 1) / 2, LANES>(gate, up, sgate, sup, ids, x, act, top_k, pairs, inter,   \
                                               inter_s, hidden, nrm);                                    \
     }                                                                                                   \
@@ -788,15 +844,16 @@ GEMV_VARIANTS(MOE_KERNELS)
 // products that read it (RowNorm: x_out * gains into xg, each block of rows' sum of squares into
 // partials[blockIdx.x]). A block of rows is mixed by the last of its pairs' blocks to finish (a
 // ticket from counters[blockIdx.x]), one thread a row, reading the other blocks' outputs from L2.
-// Launch as moe_down's h16 variant, with (ceil(hidden / MIX_ROWS), top_k + shared) blocks.
+// Launch as moe_down's h16 variant, with (ceil(hidden / MIX_ROWS), top_k + shared) blocks;
+// `ids_ready` as moe_down's (or null).
 #define MIX_ROWS 64
 template <int BITS>
 __device__ __forceinline__ void moe_down_mix(QMat down, QMat sdown, const int* ids, const float* weights,
                                              const float* shared_logit, const float* act, float* y,
                                              const float* x_in, float* x_out, const float* gains, float* xg,
                                              float* partials, u32* counters, int top_k, int inter, int inter_s,
-                                             int hidden) {
-    moe_down<BITS, 4, 1, 16>(down, sdown, ids, act, y, top_k, inter, inter_s, hidden);
+                                             int hidden, u32* ids_ready) {
+    moe_down<BITS, 4, 1, 16>(down, sdown, ids, act, y, top_k, inter, inter_s, hidden, ids_ready);
     if (!last_block(counters + blockIdx.x, gridDim.y)) return;
     const int row = blockIdx.x * MIX_ROWS + threadIdx.x;
     float sq = 0.f;
@@ -819,18 +876,18 @@ extern "C" __global__ void GEMV_BOUNDS(3) q4_moe_down_mix(QMat down, QMat sdown,
                                                           const float* act, float* y, const float* x_in,
                                                           float* x_out, const float* gains, float* xg,
                                                           float* partials, u32* counters, int top_k, int inter,
-                                                          int inter_s, int hidden) {
+                                                          int inter_s, int hidden, u32* ids_ready) {
     moe_down_mix<4>(down, sdown, ids, weights, shared_logit, act, y, x_in, x_out, gains, xg, partials, counters,
-                    top_k, inter, inter_s, hidden);
+                    top_k, inter, inter_s, hidden, ids_ready);
 }
 extern "C" __global__ void GEMV_BOUNDS(3) q8_moe_down_mix(QMat down, QMat sdown, const int* ids,
                                                           const float* weights, const float* shared_logit,
                                                           const float* act, float* y, const float* x_in,
                                                           float* x_out, const float* gains, float* xg,
                                                           float* partials, u32* counters, int top_k, int inter,
-                                                          int inter_s, int hidden) {
+                                                          int inter_s, int hidden, u32* ids_ready) {
     moe_down_mix<8>(down, sdown, ids, weights, shared_logit, act, y, x_in, x_out, gains, xg, partials, counters,
-                    top_k, inter, inter_s, hidden);
+                    top_k, inter, inter_s, hidden, ids_ready);
 }
 
 // out[t][c] = sum_j weights[t*k+j] * y[t*k+j][c] (in the order j = 0..k-1, as the reference
