@@ -705,7 +705,7 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
             weights[threadIdx.x] = routed_weights[threadIdx.x];
         }
     }
-    // Block 0 tells the expert down kernel that the ids are written (IdsReady, moe_down).
+    // Block 0 tells the expert down kernel that the ids are written (flagged_expert, below).
     if (ids_ready && blockIdx.x == 0) {
         __syncthreads();
         if (threadIdx.x == 0) {
