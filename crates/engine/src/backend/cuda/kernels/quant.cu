@@ -599,7 +599,7 @@ extern "C" __global__ void q8_embed(const u32* codes, const u16* scales, const u
     embed_rows<8>({codes, scales, biases}, ids, out, cols);
 }
 
-template <int KEYS>
+template <int KEYS, bool WEIGHTS = true>
 __device__ __forceinline__ void route_token(const float* l, int experts, int top_k, int renormalize, int* ids,
                                             float* weights);
 
@@ -654,14 +654,14 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 //
 // With `logits` (the router's `experts` logits, at most 32 * KEYS), the token is routed here
 // rather than by the router product: every block's first warp routes it (route_token, into shared
-// memory) right after the wait, and block 0 writes the choice to `ids` and `weights` for the
-// kernels after. The router product then ends with its last row: routing in its last block (a
+// memory) right after the wait, and the last block writes the choice to `ids` and `weights` for
+// the kernels after (only it computes the weights). The router product then ends with its last row: routing in its last block (a
 // ticket, a fence and a reload of the logits from L2 first) held the whole expert block back
 // longer (docs/performance.md, session 17). Routing in every block costs no more than reading the
 // ids. A kernel for each KEYS (up to 256 experts, up to 512): with both routings in one, its code
 // was 94 KB against 56, and its warps waited for instructions 10.6% of their cycles (Nsight
-// Compute, session 18). With `ids_ready`, block 0 flags the ids to the down kernel once they are
-// written (flagged_expert, below).
+// Compute, session 18). With `ids_ready`, the last block flags the ids to the down kernel once
+// they are written (flagged_expert, below).
 template <int BITS, int KEYS>
 __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
                                                    const float* x, float* act, int pairs, int inter, int inter_s,
@@ -697,16 +697,22 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
         cur.u.load(0);
     }
     pdl_wait();
+    // The last block (one of those with a row fewer than the first blocks' warps, whose last rows
+    // end the kernel) writes the routing for the kernels after: only it computes the weights.
+    const bool publisher = blockIdx.x == gridDim.x - 1;
     if (logits) {
-        if (threadIdx.x < 32) route_token<KEYS>(logits, experts, pairs, renormalize, routed, routed_weights);
+        if (threadIdx.x < 32) {
+            if (publisher) route_token<KEYS>(logits, experts, pairs, renormalize, routed, routed_weights);
+            else route_token<KEYS, false>(logits, experts, pairs, renormalize, routed, routed_weights);
+        }
         __syncthreads();
-        if (blockIdx.x == 0 && (int)threadIdx.x < pairs) {
+        if (publisher && (int)threadIdx.x < pairs) {
             ids[threadIdx.x] = routed[threadIdx.x];
             weights[threadIdx.x] = routed_weights[threadIdx.x];
         }
     }
-    // Block 0 tells the expert down kernel that the ids are written (flagged_expert, below).
-    if (ids_ready && blockIdx.x == 0) {
+    // It tells the expert down kernel that the ids are written (flagged_expert, below).
+    if (ids_ready && publisher) {
         __syncthreads();
         if (threadIdx.x == 0) {
             __threadfence();  // the block's ids writes, ordered by the barrier (as last_block)
@@ -748,13 +754,13 @@ MOE_GATE_UP_STREAM(q4_moe_gate_up_stream_e512, 4, 16)
 MOE_GATE_UP_STREAM(q8_moe_gate_up_stream_e512, 8, 16)
 
 // One token's routed expert ids handed from the gate/up kernel (moe_gate_up_stream) to the down
-// kernel before the gate/up kernel has finished: its block 0 sets ids_ready[0] (release) once it
-// has written the ids, and each routed block of the down kernel reads the flag (acquire) and its
-// expert's id, then loads its weights before its wait for the gate/up outputs. The routed blocks
-// count themselves in ids_ready[1]; the last to read clears both words, so the flag is zero
-// between launches. Block 0 sets it before it lets the down kernel launch (pdl_launch_dependents,
-// which the down kernel waits for from every gate/up block), so the wait is short and cannot
-// hang. The weights then load during the gate/up kernel's last rows: decode +1.6-2.6%
+// kernel before the gate/up kernel has finished: its last block sets ids_ready[0] (release) once
+// it has written the ids, and each routed block of the down kernel reads the flag (acquire) and
+// its expert's id, then loads its weights before its wait for the gate/up outputs. The routed
+// blocks count themselves in ids_ready[1]; the last to read clears both words, so the flag is
+// zero between launches. The flag is set before its block lets the down kernel launch
+// (pdl_launch_dependents, which the down kernel waits for from every gate/up block), so the wait
+// is short and cannot hang. The weights then load during the gate/up kernel's last rows: decode +1.6-2.6%
 // (docs/performance.md, session 20).
 // Pair p's expert, once the flag is set. Every thread of the down kernel's routed blocks calls
 // it; `readers` is the number of those blocks.
@@ -914,7 +920,7 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, con
 // redux.sync maxima (the high words, then the low words of the lanes holding that high word), and
 // the lane that held it moves its next key up. Round j's expert goes to lane j (top_k <= 32),
 // which computes its probability; the total adds them in the order j = 0..k-1, as the reference.
-template <int KEYS>
+template <int KEYS, bool WEIGHTS>
 __device__ __forceinline__ void route_token(const float* l, int experts, int top_k, int renormalize, int* ids,
                                             float* weights) {
     const unsigned full = 0xffffffffu;
@@ -929,12 +935,14 @@ __device__ __forceinline__ void route_token(const float* l, int experts, int top
         key[i] = (e < experts && v[i] == v[i]) ? pack_max(v[i], e) : 0;
         m = fmaxf(m, v[i]);
     }
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(full, m, o));
     float z = 0.f;
+    if (WEIGHTS) {
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(full, m, o));
 #pragma unroll
-    for (int i = 0; i < KEYS; ++i)
-        if (lane + 32 * i < experts) z += expf(v[i] - m);
-    z = warp_sum(z);
+        for (int i = 0; i < KEYS; ++i)
+            if (lane + 32 * i < experts) z += expf(v[i] - m);
+        z = warp_sum(z);
+    }
     // Odd-even transposition sort, largest first.
 #pragma unroll
     for (int r = 0; r < KEYS; ++r)
@@ -956,6 +964,10 @@ __device__ __forceinline__ void route_token(const float* l, int experts, int top
             for (int i = 0; i + 1 < KEYS; ++i) key[i] = key[i + 1];
             key[KEYS - 1] = 0;
         }
+    }
+    if (!WEIGHTS) {
+        if (lane < top_k) ids[lane] = mine;
+        return;
     }
     const float p = lane < top_k ? expf(l[mine] - m) / z : 0.f;
     float total = 0.f;
