@@ -1359,11 +1359,12 @@ impl CudaBackend {
                 (stride.div_ceil(rows_per_block) as u32, all as u32),
             )
         };
-        // One token's down-and-mix kernel loads its experts' weights as soon as the gate/up
-        // kernel has routed the token (`flagged_expert`, kernels/quant.cu). Not when the
-        // launches are replayed alone (nothing would set the flag), nor when the gate/up is left
-        // out of the step.
-        let ids_ready = if t == 1 && mix.is_some() && !self.replayed() && !self.is_left_out(label) {
+        // One token's down-and-mix kernel (`mix` is only ever one token's, so the gate/up above
+        // is the stream kernel) loads its experts' weights as soon as the gate/up kernel has
+        // routed the token (`flagged_expert`, kernels/quant.cu). Not when the launches are
+        // replayed alone (nothing would set the flag), nor when the gate/up is left out of the
+        // step.
+        let ids_ready = if mix.is_some() && !self.replayed() && !self.is_left_out(label) {
             self.ptr(&self.ids_ready)
         } else {
             0
