@@ -325,7 +325,10 @@ fn attention_with_cache_matches_reference() {
         let mut k_ref = k.clone();
         r::rope(&mut q_ref, t_total, &sh, h, 0);
         r::rope(&mut k_ref, t_total, &sh, kvh, 0);
-        let o_ref = r::attention(&q_ref, t_total, &k_ref, &v, &sh, 0);
+        // The cache holds K and V as f16 values.
+        let k_held: Vec<f32> = k_ref.iter().map(|&x| r::kv_value(x)).collect();
+        let v_held: Vec<f32> = v.iter().map(|&x| r::kv_value(x)).collect();
+        let o_ref = r::attention(&q_ref, t_total, &k_held, &v_held, &sh, 0);
 
         // Prefill 8 rows, then 5 decode rows, continuing the cache.
         let mut cache = b.new_kv_cache(&sh, 64).expect("cache");
@@ -353,6 +356,19 @@ fn attention_with_cache_matches_reference() {
             .to_string();
         assert!(err.contains("max_seq"), "{err}");
     }
+}
+
+#[test]
+fn kv_values_are_f16_saturated_and_keep_nan() {
+    // Round to nearest even at f16's 11 significant bits.
+    assert_eq!(r::kv_value(1.0), 1.0);
+    assert_eq!(r::kv_value(1.0 + 2f32.powi(-11)), 1.0);
+    assert_eq!(r::kv_value(1.0 + 3.0 * 2f32.powi(-11)), 1.0 + 2f32.powi(-9));
+    assert_eq!(r::kv_value(-0.1), -0.099975586);
+    // Past the largest finite f16 the value saturates instead of becoming infinite.
+    assert_eq!(r::kv_value(1e6), 65504.0);
+    assert_eq!(r::kv_value(f32::NEG_INFINITY), -65504.0);
+    assert!(r::kv_value(f32::NAN).is_nan());
 }
 
 #[test]

@@ -703,6 +703,69 @@ fn attention_matches_at_short_and_long_contexts() {
     }
 }
 
+/// One query over a long cache filled by `kv_append` (no attention on the way), plain and gated.
+fn long_decode_attention_on<B: Backend>(
+    b: &B,
+    sh: &AttnShape,
+    [q, gate, k, v]: [&[f32]; 4],
+    keys: usize,
+) -> Vec<Vec<f32>> {
+    let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
+    let mut cache = b.new_kv_cache(sh, keys).expect("cache");
+    b.kv_append(
+        &mut cache,
+        &up(b, k, keys, kvh * d),
+        &up(b, v, keys, kvh * d),
+        0,
+    )
+    .expect("append");
+    let (q, gate) = (up(b, q, 1, h * d), up(b, gate, 1, h * d));
+    vec![
+        down(
+            b,
+            &b.attention(&q, &cache, sh, keys - 1).expect("attention"),
+        ),
+        down(
+            b,
+            &b.attention_gated(&q, &gate, &cache, sh, keys - 1)
+                .expect("gated attention"),
+        ),
+    ]
+}
+
+#[test]
+fn decode_attention_over_many_tiles_a_split_matches() {
+    let Some((cpu, gpu)) = backends_or_skip("decode_attention_over_many_tiles_a_split_matches")
+    else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(28);
+    let wide = AttnShape { heads: 24, ..ATTN };
+    // 20,011 keys: the split count is capped by what the GPU holds at once, so each split walks
+    // several tiles (past the kernel's stages, the last one partial).
+    let keys = 20_011;
+    for sh in [ATTN, wide] {
+        let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
+        let q = randn(&mut rng, h * d, 1.0);
+        let gate = randn(&mut rng, h * d, 1.0);
+        let mut k = randn(&mut rng, keys * kvh * d, 1.0);
+        let mut v = randn(&mut rng, keys * kvh * d, 1.0);
+        // Values past f16's range are stored saturated, by both backends.
+        k[5] = -7e4;
+        v[kvh * d * 17 + 3] = 1e5;
+        let inputs = [&q[..], &gate[..], &k[..], &v[..]];
+        let g = long_decode_attention_on(&gpu, &sh, inputs, keys);
+        let c = long_decode_attention_on(&cpu, &sh, inputs, keys);
+        for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+            close(
+                &format!("decode attention over {keys} keys (H {h}) output {i}"),
+                a,
+                b,
+            );
+        }
+    }
+}
+
 /// The GPU's routing against the CPU's: the ids exactly, the weights within `TOL`.
 fn same_routing(what: &str, gpu: &CudaBackend, rg: &CudaRouting, rc: &CpuRouting) {
     let n = rc.ids.len();

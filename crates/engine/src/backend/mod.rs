@@ -213,7 +213,8 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Tensor>;
     /// Rotate-half RoPE on the first `rotary_dim` dims of each head; row t is at position `pos0 + t`.
     fn rope(&self, x: &mut Self::Tensor, shape: &AttnShape, pos0: usize) -> Result<()>;
-    /// Writes k and v rows into the cache at positions `pos0..pos0+T`.
+    /// Writes k and v rows into the cache at positions `pos0..pos0+T`, each value as
+    /// `cpu::reference::kv_value` rounds it (f16).
     fn kv_append(
         &self,
         cache: &mut Self::KvCache,

@@ -29,7 +29,8 @@ pub struct CpuGdnState {
 }
 
 pub struct CpuKvCache {
-    /// `[len, KVH*D]`, grown on append up to `max_seq`.
+    /// `[len, KVH*D]`, grown on append up to `max_seq`; each value as `reference::kv_value`
+    /// rounds it (f16's values, held in f32).
     pub k: Vec<f32>,
     pub v: Vec<f32>,
     pub row: usize,
@@ -358,8 +359,8 @@ impl Backend for CpuBackend {
                 c.k.len() / c.row
             )));
         }
-        c.k.extend_from_slice(&k.data);
-        c.v.extend_from_slice(&v.data);
+        c.k.extend(k.data.iter().map(|&x| r::kv_value(x)));
+        c.v.extend(v.data.iter().map(|&x| r::kv_value(x)));
         Ok(())
     }
 

@@ -207,6 +207,13 @@ pub fn rope(x: &mut [f32], t: usize, sh: &AttnShape, heads: usize, pos0: usize) 
     }
 }
 
+/// The value a KV cache holds for `x`: rounded to f16 (nearest even), magnitudes past f16's
+/// largest finite value saturated to it (NaN stays NaN). Every backend stores K and V so: half
+/// the bytes of f32 for decode attention to read, as llama.cpp's default cache holds.
+pub fn kv_value(x: f32) -> f32 {
+    half::f16::from_f32(x.clamp(-65504.0, 65504.0)).to_f32()
+}
+
 /// Causal GQA attention: q rows at positions `pos0..pos0+t` over `k`/`v` caches `[len, KVH*D]`.
 pub fn attention(
     q: &[f32],

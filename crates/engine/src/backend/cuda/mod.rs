@@ -223,11 +223,12 @@ pub struct CudaGdnState {
     pub state: CudaSlice<f32>,
 }
 
-/// K and V rows `[capacity, KVH*D]`; grown (reallocated) on append up to `max_seq`, so short
-/// sequences and cache snapshots hold only what they use.
+/// K and V rows `[capacity, KVH*D]` as f16 bits (`f16_bits`, kernels/common.cuh: the CPU
+/// reference's `kv_value`); grown (reallocated) on append up to `max_seq`, so short sequences and
+/// cache snapshots hold only what they use.
 pub struct CudaKvCache {
-    pub k: CudaSlice<f32>,
-    pub v: CudaSlice<f32>,
+    pub k: CudaSlice<u16>,
+    pub v: CudaSlice<u16>,
     pub row: usize,
     pub capacity: usize,
     pub len: usize,
@@ -339,7 +340,6 @@ struct Kernels {
     /// Flash attention for prefill, head dims 64, 128, 256; `None` where the device cannot
     /// give a block the shared memory it needs (the split-K kernels serve instead).
     attention_prefill: [Option<CudaFunction>; 3],
-    kv_split: CudaFunction,
 }
 
 /// The two kernels of the chunked GDN recurrence (kernels/gdn.cu).
@@ -489,7 +489,6 @@ impl Kernels {
             attn_prep: f("attention", "attn_prep")?,
             attention_partial,
             attention_combine: f("attention", "attention_combine")?,
-            kv_split: f("attention", "kv_split")?,
             attention_prefill: [64, 128, 256].map(|d| {
                 let func = f("attention", &format!("attention_prefill_d{d}")).ok()?;
                 allow_dynamic_smem(&func, fa_smem_bytes(d)).ok()?;
@@ -513,10 +512,10 @@ fn allow_dynamic_smem(func: &CudaFunction, bytes: usize) -> Result<()> {
 }
 
 /// Dynamic shared memory of the flash-attention prefill kernel for head dim `d`
-/// (`fa_smem_bytes`, kernels/attention.cu: Q, K and V tiles, each as bf16 hi and lo; the kernel
+/// (`fa_smem_bytes`, kernels/attention.cu: Q's tile as f16 hi and lo, K's and V's; the kernel
 /// traps if a launch gives it less).
 fn fa_smem_bytes(d: usize) -> usize {
-    2 * (2 * FA_QUERIES * (d + 8) + 4 * 32 * (d + 8))
+    2 * (2 * FA_QUERIES * (d + 8) + 2 * 32 * (d + 8))
 }
 
 /// Tokens per chunk of the chunked GDN recurrence (`GDN_C`, kernels/gdn.cu) and state rows per
@@ -545,10 +544,11 @@ fn gdn_state_smem_bytes(d: usize) -> usize {
 }
 
 /// Dynamic shared memory of the decode attention kernel for head dim `d` and `ng` tiles of 8
-/// query heads (`attn_decode_smem_bytes`, kernels/attention.cu): the warps' score parts, and two
-/// stages of K (pitch d + 4) and V rows (pitch d + 8).
+/// query heads (`attn_decode_smem_bytes`, kernels/attention.cu): the warps' f32 score parts, the
+/// summed scores (pitch 8 ng + 4), and the stages of K and V rows (f16, pitch d + 8).
 fn attn_decode_smem_bytes(d: usize, ng: usize) -> usize {
-    4 * (attn_decode_warps(d) * ATTN_TILE * 8 * ng + 2 * ATTN_TILE * (2 * d + 12))
+    4 * (attn_decode_warps(d) * ATTN_TILE * 8 * ng + ATTN_TILE * (8 * ng + 4))
+        + 2 * ATTN_STAGES * 2 * ATTN_TILE * (d + 8)
 }
 
 pub struct CudaBackend {
@@ -960,8 +960,10 @@ const FA_MIN_TOKENS: usize = 32;
 /// Keys per attention split, at least (more when the split count is capped);
 /// `LILY_CUDA_ATTN_MIN_CHUNK` overrides it, for A/B.
 const ATTN_MIN_CHUNK: usize = 16;
-/// Keys per tile of the decode attention kernel (`ATTN_TILE`, kernels/attention.cu).
-const ATTN_TILE: usize = 16;
+/// Keys per tile of the decode attention kernel and its stages (`ATTN_TILE`, `ATTN_STAGES`,
+/// kernels/attention.cu).
+const ATTN_TILE: usize = 32;
+const ATTN_STAGES: usize = 3;
 /// Warps per block of the decode attention kernel for head dim `d` (`adec_warps`): eight, each
 /// with 16 dims at least.
 fn attn_decode_warps(d: usize) -> usize {
@@ -2104,10 +2106,10 @@ impl CudaBackend {
         }
         // Geometric growth, so appends stay amortised.
         let capacity = rows.max(2 * c.capacity).min(c.max_seq);
-        let nk = self.alloc::<f32>(capacity * c.row)?;
-        let nv = self.alloc::<f32>(capacity * c.row)?;
-        self.copy::<f32>(self.ptr(&c.k), self.ptr(&nk), c.len * c.row)?;
-        self.copy::<f32>(self.ptr(&c.v), self.ptr(&nv), c.len * c.row)?;
+        let nk = self.alloc::<u16>(capacity * c.row)?;
+        let nv = self.alloc::<u16>(capacity * c.row)?;
+        self.copy::<u16>(self.ptr(&c.k), self.ptr(&nk), c.len * c.row)?;
+        self.copy::<u16>(self.ptr(&c.v), self.ptr(&nv), c.len * c.row)?;
         c.k = nk;
         c.v = nv;
         c.capacity = capacity;
@@ -2158,21 +2160,6 @@ impl CudaBackend {
         if t >= FA_MIN_TOKENS
             && let Some(Some(attention_prefill)) = self.k.attention_prefill.get(variant)
         {
-            // The keys so far as bf16 hi/lo, which the kernel's tiles copy as they are.
-            let n = (pos0 + t) * c.row;
-            let split: Vec<DevBuf<u16>> =
-                (0..4).map(|_| self.tmp::<u16>(n)).collect::<Result<_>>()?;
-            for (src, (hi, lo)) in [
-                (&c.k, (&split[0], &split[1])),
-                (&c.v, (&split[2], &split[3])),
-            ] {
-                launch!(
-                    self,
-                    self.k.kv_split,
-                    elementwise(n / 4),
-                    [self.ptr(src), hi.ptr, lo.ptr, (n / 4) as i64]
-                )?;
-            }
             launch!(
                 self,
                 attention_prefill,
@@ -2183,10 +2170,8 @@ impl CudaBackend {
                 ),
                 [
                     self.ptr(&q.buf),
-                    split[0].ptr,
-                    split[1].ptr,
-                    split[2].ptr,
-                    split[3].ptr,
+                    self.ptr(&c.k),
+                    self.ptr(&c.v),
                     self.ptr(&out.buf),
                     t as i32,
                     h as i32,
@@ -2220,7 +2205,8 @@ impl CudaBackend {
         };
         let threads = 32 * attn_decode_warps(d) as u32;
         // As many blocks as the GPU holds at once, at most: a second wave would run the tail of
-        // the keys after the first (two blocks per SM for the 35B's 70 KiB). And 256 splits
+        // the keys after the first (as many an SM as its registers and shared memory allow:
+        // two of 107 KiB for the 35B's head dim of 256). And 256 splits
         // at most: the merge kernel keeps one weight per split in shared memory. The kernel
         // divides the keys it actually has among the splits.
         let per_sm = attention_partial
@@ -2455,10 +2441,10 @@ impl Backend for CudaBackend {
     fn clone_kv_cache(&self, c: &CudaKvCache, len: usize, max_seq: usize) -> Result<CudaKvCache> {
         let len = len.min(c.len);
         let capacity = len.next_multiple_of(256).max(256).min(max_seq).max(len);
-        let k = self.alloc::<f32>(capacity * c.row)?;
-        let v = self.alloc::<f32>(capacity * c.row)?;
-        self.copy::<f32>(self.ptr(&c.k), self.ptr(&k), len * c.row)?;
-        self.copy::<f32>(self.ptr(&c.v), self.ptr(&v), len * c.row)?;
+        let k = self.alloc::<u16>(capacity * c.row)?;
+        let v = self.alloc::<u16>(capacity * c.row)?;
+        self.copy::<u16>(self.ptr(&c.k), self.ptr(&k), len * c.row)?;
+        self.copy::<u16>(self.ptr(&c.v), self.ptr(&v), len * c.row)?;
         Ok(CudaKvCache {
             k,
             v,
@@ -2474,7 +2460,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_cache_bytes(&self, c: &CudaKvCache) -> usize {
-        4 * (c.k.len() + c.v.len())
+        2 * (c.k.len() + c.v.len())
     }
 
     fn embed(&self, table: &CudaQMatrix, tokens: &[u32]) -> Result<CudaTensor> {

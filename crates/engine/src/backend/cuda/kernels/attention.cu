@@ -1,6 +1,7 @@
-// Gated full attention: partial rotary embedding, and causal grouped-query attention over the f32
-// KV cache split along the keys (split-K: many blocks per query head at long contexts, merged by a
-// second kernel with the usual max/sum rescaling).
+// Gated full attention: partial rotary embedding, and causal grouped-query attention over the KV
+// cache (f16 values: f16_bits, as the CPU reference's kv_value rounds them) split along the keys
+// (split-K: many blocks per query head at long contexts, merged by a second kernel with the usual
+// max/sum rescaling).
 
 // Decode steps replayed from a CUDA graph read the position from device memory (`pos_ptr`, written
 // before each replay); eager launches pass it by value (`pos_ptr` null).
@@ -32,14 +33,14 @@ extern "C" __global__ void rope(float* x, int tokens, int heads, int d, int rota
     rope_pair(head[j], head[j + half], position(pos_ptr, pos0) + t, j, rotary, theta);
 }
 
-// Writes k and v [T, row] into the caches at rows pos0.. (row = KVH*D floats).
-extern "C" __global__ void kv_write(const float* k, const float* v, float* kc, float* vc, long long n, int row,
+// Writes k and v [T, row] into the caches at rows pos0.. (row = KVH*D values).
+extern "C" __global__ void kv_write(const float* k, const float* v, u16* kc, u16* vc, long long n, int row,
                                     const int* pos_ptr, int pos0) { grid_dep();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const long long dst = (long long)position(pos_ptr, pos0) * row + i;
-    kc[dst] = k[i];
-    vc[dst] = v[i];
+    kc[dst] = f16_bits(k[i]);
+    vc[dst] = f16_bits(v[i]);
 }
 
 // The attention layer's inputs in one launch (Backend::attn_prep). Block (t, slot): a slot below
@@ -50,7 +51,7 @@ extern "C" __global__ void kv_write(const float* k, const float* v, float* kc, f
 // is rope's, so the results equal those of the separate kernels bit for bit. Launch with 128
 // threads, (T, heads + kv_heads) blocks and d * 4 bytes of dynamic shared memory.
 extern "C" __global__ void attn_prep(const float* qg, const float* k, const float* v, const float* q_norm,
-                                     const float* k_norm, float* q, float* g, float* kc, float* vc, int heads,
+                                     const float* k_norm, float* q, float* g, u16* kc, u16* vc, int heads,
                                      int kv_heads, int d, int rotary, double theta, float eps, const int* pos_ptr,
                                      int pos0) {
     grid_dep();
@@ -62,7 +63,7 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
     const size_t kv_row = (size_t)pos * kv_heads * d + (size_t)kvh * d;
     const float* src = is_q ? qg + ((size_t)t * heads + slot) * 2 * d : k + ((size_t)t * kv_heads + kvh) * d;
     const float* w = is_q ? q_norm : k_norm;
-    float* dst = is_q ? q + ((size_t)t * heads + slot) * d : kc + kv_row;
+    float* qdst = is_q ? q + ((size_t)t * heads + slot) * d : nullptr;
     float ss = 0.f;
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         const float x = src[c];
@@ -72,7 +73,7 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         xs[c] = src[c] * inv * w[c];
         if (is_q) g[((size_t)t * heads + slot) * d + c] = src[d + c];
-        else vc[kv_row + c] = v[((size_t)t * kv_heads + kvh) * d + c];
+        else vc[kv_row + c] = f16_bits(v[((size_t)t * kv_heads + kvh) * d + c]);
     }
     __syncthreads();
     const int half = rotary >> 1;
@@ -84,7 +85,8 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
             rope_pair(a, b, pos, j, rotary, theta);
             out = c < half ? a : b;
         }
-        dst[c] = out;
+        if (is_q) qdst[c] = out;
+        else kc[kv_row + c] = f16_bits(out);
     }
 }
 
@@ -92,44 +94,52 @@ extern "C" __global__ void attn_prep(const float* qg, const float* k, const floa
 // head of the KV head's group, the partial results of its keys, (acc[d], max, sum) with acc =
 // sum_k exp(s_k - max) v_k, to part [T*H, splits, D+2]; attention_combine merges the splits.
 //
-// On the tensor cores: the query group is the N = 8 side of m16n8k8 tf32 products (NG tiles of
+// On the tensor cores: the query group is the N = 8 side of m16n8k16 f16 products (NG tiles of
 // 8 query heads, the last padded with zero queries), so that the block's warps read each K and V
-// value from shared memory once, not once per query head. Every operand is split in tf32 hi + lo
-// (mma_tf32x3), near f32 accuracy. The warps divide the head dims; each keeps its part of Q^T's
-// fragments in registers, split once. Per tile of 16 keys (the next one in flight, copied by
-// cp.async; a third stage, 105 KiB a block at d = 256, was 2% slower at 32,768 keys, session 15):
-//   S^T [16 keys][heads]: each warp's product over its dims (A = K rows, B = Q^T) goes to shared
-//     memory, and every warp sums the adec_warps(d) parts in the same order (so each holds the same
-//     scores, maxima and sums, and no warp's results need merging at the end);
-//   online softmax per head: lane (g, c) holds head g's scores of keys c, c + 4, c + 8, c + 12,
-//     which are the B fragments of P^T for the next product;
-//   O^T [its dims][heads] += V^T P^T (A = V rows, transposed as read).
+// value from shared memory once, not once per query head. K and V are the cache's f16 values, exact
+// as they are; Q and the probabilities are split in f16 hi + lo (f16_split2), two products each,
+// near f32 accuracy. The warps divide the head dims; each keeps its part of Q^T's fragments in
+// registers, split once. Per tile of 32 keys (the next two in flight, copied by cp.async):
+//   S^T [32 keys][heads]: each warp's product over its dims (A = K rows, B = Q^T) goes to shared
+//     memory; each score is summed over the adec_warps(d) parts once, in warp order, into a
+//     table every warp reads (so each holds the same scores, maxima and sums, and no warp's
+//     results need merging at the end; each warp summing the parts for itself read eight times
+//     as much shared memory);
+//   online softmax per head: lane (g, c) holds head g's scores of keys 16 kk + 2c, + 1, + 8 and
+//     + 9 for kk = 0, 1, which are the B fragments of P^T for the next product;
+//   O^T [its dims][heads] += V^T P^T (A = V rows, transposed by ldmatrix).
 // Keys past the end score -inf; their V rows are zeroed (a zero probability times an uncopied
 // row could be NaN). The keys are split from the length read at run time (`position`), so that a
 // recorded step, whose grid is sized for its context's power-of-two bucket, still gives every
 // block keys. Launch with 32 * adec_warps(d) threads, (T * KVH, splits) blocks and
 // attn_decode_smem_bytes(d, ng) of dynamic shared memory.
-constexpr int ATTN_TILE = 16;
+// With f16 tiles of 16 keys and two stages the kernel read 67 MB (32,768 keys) at 2.2 TB/s: too
+// few bytes in flight a block for the chain each tile waits on (session 21).
+constexpr int ATTN_TILE = 32;
+constexpr int ATTN_STAGES = 3;
 // Warps a block: eight, each with 16 dims at least.
 __host__ __device__ constexpr int adec_warps(int d) { return d / 16 < 8 ? d / 16 : 8; }
-// Score parts [warps][16][8 ng], then two stages: K [16][d + 4], V [16][d + 8] (pitches 4 and 8
-// mod 32 keep the fragment reads on 32 different banks).
+// Score parts [warps][TILE][8 ng] f32, the scores [TILE][8 ng + 4] f32 (the pitch puts a warp's
+// reads on 32 banks), then the stages of K and V [TILE][d + 8] f16 (the pitch, 16 bytes past a
+// multiple of 128, puts each ldmatrix's eight rows on different banks).
 __host__ __device__ constexpr int attn_decode_smem_bytes(int d, int ng) {
-    return 4 * (adec_warps(d) * ATTN_TILE * 8 * ng + 2 * ATTN_TILE * (2 * d + 12));
+    return 4 * (adec_warps(d) * ATTN_TILE * 8 * ng + ATTN_TILE * (8 * ng + 4)) +
+           2 * ATTN_STAGES * 2 * ATTN_TILE * (d + 8);
 }
 
 template <int ND, int NG>
-__device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, const float* __restrict__ k,
-                                                       const float* __restrict__ v, float* __restrict__ part,
+__device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, const u16* __restrict__ k,
+                                                       const u16* __restrict__ v, float* __restrict__ part,
                                                        int heads, int kv_heads, const int* pos_ptr, int pos0) {
-    constexpr int D = 32 * ND, H = 8 * NG, TILE = ATTN_TILE;
-    constexpr int WARPS = adec_warps(D), DW = D / WARPS, KSTEPS = DW / 8, MTILES = DW / 16;
-    constexpr int KP = D + 4, VP = D + 8, STAGES = 2;
-    constexpr int STAGE = TILE * (KP + VP);
+    constexpr int D = 32 * ND, H = 8 * NG, TILE = ATTN_TILE, KT = TILE / 16;
+    constexpr int WARPS = adec_warps(D), DW = D / WARPS, KSTEPS = DW / 16, MTILES = DW / 16;
+    constexpr int LD = D + 8, SP = H + 4, STAGES = ATTN_STAGES;
+    constexpr int STAGE = 2 * TILE * LD;
     extern __shared__ float4 attn_smem[];
     require_dynamic_smem(attn_decode_smem_bytes(D, NG));
-    float* sp = reinterpret_cast<float*>(attn_smem);  // [WARPS][TILE][H]
-    float* stages = sp + WARPS * TILE * H;            // [STAGES][K [TILE][KP], V [TILE][VP]]
+    float* sp = reinterpret_cast<float*>(attn_smem);             // [WARPS][TILE][H]
+    float* ss = sp + WARPS * TILE * H;                            // [TILE][SP]
+    u16* stages = reinterpret_cast<u16*>(ss + TILE * SP);         // [STAGES][K, V [TILE][LD]]
     const int group = heads / kv_heads;
     const int t = blockIdx.x / kv_heads, kvh = blockIdx.x % kv_heads, split = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -143,38 +153,42 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     // Tile j's K and V rows into stage j % STAGES, 16 bytes a copy; one commit group per tile.
     auto fetch = [&](int j) {
         if (j < tiles_n) {
-            float* kt = stages + (j % STAGES) * STAGE;
-            float* vt = kt + TILE * KP;
+            u16* kt = stages + (j % STAGES) * STAGE;
+            u16* vt = kt + TILE * LD;
             const int p0 = start + j * TILE, n = min(TILE, end - p0);
-            for (int i = threadIdx.x; i < TILE * (D / 4); i += blockDim.x) {
-                const int key = i / (D / 4), col = 4 * (i % (D / 4));
+            for (int i = threadIdx.x; i < TILE * (D / 8); i += blockDim.x) {
+                const int key = i / (D / 8), col = 8 * (i % (D / 8));
                 if (key < n) {
                     const size_t src = (size_t)(p0 + key) * row + (size_t)kvh * D + col;
-                    cp_async16(kt + key * KP + col, k + src);
-                    cp_async16(vt + key * VP + col, v + src);
+                    cp_async16(kt + key * LD + col, k + src);
+                    cp_async16(vt + key * LD + col, v + src);
                 } else {
-                    *reinterpret_cast<float4*>(vt + key * VP + col) = make_float4(0.f, 0.f, 0.f, 0.f);
+                    *reinterpret_cast<uint4*>(vt + key * LD + col) = make_uint4(0u, 0u, 0u, 0u);
                 }
             }
         }
         cp_async_commit();
     };
-    fetch(0);
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) fetch(j);
     const int d0 = warp * DW;  // this warp's first dim
     // Q^T's fragments for this warp's dims (the score product's B: head 8n + g, dims
-    // d0 + 8 ks + c and + 4), scaled and split once for every tile.
+    // d0 + 16 ks + 2c, + 1 and + 8, + 9), scaled and split once for every tile.
     u32 qh[NG][KSTEPS][2], ql[NG][KSTEPS][2];
     {
         const float scale = rsqrtf((float)D);
 #pragma unroll
         for (int n = 0; n < NG; ++n) {
             const int h = 8 * n + g;
-            const float* qrow = q + ((size_t)t * heads + kvh * group + min(h, group - 1)) * D + d0 + c;
+            const float* qrow = q + ((size_t)t * heads + kvh * group + min(h, group - 1)) * D + d0 + 2 * c;
 #pragma unroll
-            for (int ks = 0; ks < KSTEPS; ++ks) {
-                tf32_split(h < group ? qrow[8 * ks] * scale : 0.f, qh[n][ks][0], ql[n][ks][0]);
-                tf32_split(h < group ? qrow[8 * ks + 4] * scale : 0.f, qh[n][ks][1], ql[n][ks][1]);
-            }
+            for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    float2 x = make_float2(0.f, 0.f);
+                    if (h < group) x = *reinterpret_cast<const float2*>(qrow + 16 * ks + 8 * i);
+                    f16_split2(x.x * scale, x.y * scale, qh[n][ks][i], ql[n][ks][i]);
+                }
         }
     }
     float o[NG][MTILES][4];
@@ -189,52 +203,72 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
             for (int i = 0; i < 4; ++i) o[n][mt][i] = 0.f;
     }
     for (int j = 0; j < tiles_n; ++j) {
-        cp_async_wait_all();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile j is in; every warp is done with tile j - 1 (its stage, the parts)
-        fetch(j + 1);
-        const float* kt = stages + (j % STAGES) * STAGE;
-        const float* vt = kt + TILE * KP;
-        // This warp's part of S^T = K Q^T.
-        float s[NG][4];
+        fetch(j + STAGES - 1);
+        const u16* kt = stages + (j % STAGES) * STAGE;
+        const u16* vt = kt + TILE * LD;
+        // This warp's part of S^T = K Q^T (the lo products apart, so that they do not wait on
+        // the hi ones).
+        float s[KT][NG][4], sl[KT][NG][4];
 #pragma unroll
-        for (int n = 0; n < NG; ++n)
+        for (int kk = 0; kk < KT; ++kk)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+            for (int n = 0; n < NG; ++n)
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS; ++ks) {
-            u32 ah[4], al[4];
-            tf32_split_a(ah, al, kt + d0 + 8 * ks, KP);
+                for (int i = 0; i < 4; ++i) s[kk][n][i] = sl[kk][n][i] = 0.f;
 #pragma unroll
-            for (int n = 0; n < NG; ++n) mma_tf32x3(s[n], ah, al, qh[n][ks], ql[n][ks]);
-        }
+        for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+            for (int kk = 0; kk < KT; ++kk) {
+                u32 a[4];
+                ldsm_a(a, kt + 16 * kk * LD + d0 + 16 * ks, LD);
+#pragma unroll
+                for (int n = 0; n < NG; ++n) {
+                    mma_f16(sl[kk][n], a, ql[n][ks]);
+                    mma_f16(s[kk][n], a, qh[n][ks]);
+                }
+            }
         float* mine = sp + warp * TILE * H;
 #pragma unroll
-        for (int n = 0; n < NG; ++n) {
-            *reinterpret_cast<float2*>(mine + g * H + 8 * n + 2 * c) = make_float2(s[n][0], s[n][1]);
-            *reinterpret_cast<float2*>(mine + (g + 8) * H + 8 * n + 2 * c) = make_float2(s[n][2], s[n][3]);
-        }
+        for (int kk = 0; kk < KT; ++kk)
+#pragma unroll
+            for (int n = 0; n < NG; ++n) {
+                float* r = mine + 16 * kk * H + 8 * n + 2 * c;
+                *reinterpret_cast<float2*>(r + g * H) =
+                    make_float2(s[kk][n][0] + sl[kk][n][0], s[kk][n][1] + sl[kk][n][1]);
+                *reinterpret_cast<float2*>(r + (g + 8) * H) =
+                    make_float2(s[kk][n][2] + sl[kk][n][2], s[kk][n][3] + sl[kk][n][3]);
+            }
         __syncthreads();
         const int p0 = start + j * TILE;
+        for (int i = threadIdx.x; i < TILE * H; i += blockDim.x) {
+            const int key = i / H;
+            float a = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) a += sp[w * TILE * H + i];
+            ss[key * SP + i % H] = p0 + key < end ? a : NEG_INF;
+        }
+        __syncthreads();
 #pragma unroll
         for (int n = 0; n < NG; ++n) {
-            // Head 8n + g's scores of keys c + 4i, the parts added in warp order.
-            float sc[4];
+            // Head 8n + g's scores of keys 16 kk + 2c, + 1, + 8, + 9.
+            float sc[4 * KT];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int key = c + 4 * i;
-                float a = 0.f;
-#pragma unroll
-                for (int w = 0; w < WARPS; ++w) a += sp[(w * TILE + key) * H + 8 * n + g];
-                sc[i] = p0 + key < end ? a : NEG_INF;
+            for (int i = 0; i < 4 * KT; ++i) {
+                const int key = 16 * (i >> 2) + 2 * c + (i & 1) + 8 * ((i >> 1) & 1);
+                sc[i] = ss[key * SP + 8 * n + g];
             }
-            float tile_max = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
+            float tile_max = sc[0];
+#pragma unroll
+            for (int i = 1; i < 4 * KT; ++i) tile_max = fmaxf(tile_max, sc[i]);
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
             const float m_new = fmaxf(m[n], tile_max);  // finite: every tile has a key before `end`
             const float corr = expf(m[n] - m_new);      // 0 on the first tile (m = -inf)
-            float p[4], tile_sum = 0.f;
+            float p[4 * KT], tile_sum = 0.f;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < 4 * KT; ++i) {
                 p[i] = sc[i] == NEG_INF ? 0.f : expf(sc[i] - m_new);
                 tile_sum += p[i];
             }
@@ -245,10 +279,13 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
             // The accumulator columns are heads 2c and 2c + 1, whose factors lanes 8c and 8c + 4 hold.
             const float corr0 = __shfl_sync(0xffffffffu, corr, 8 * c);
             const float corr1 = __shfl_sync(0xffffffffu, corr, 8 * c + 4);
-            // P^T's fragments: keys c, c + 4 (k-step 0) and c + 8, c + 12 (k-step 1) of head g.
-            u32 ph[4], pl[4];
+            // P^T's fragments: keys 16 kk + 2c, + 1 and + 8, + 9 of head g.
+            u32 ph[KT][2], pl[KT][2];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) tf32_split(p[i], ph[i], pl[i]);
+            for (int kk = 0; kk < KT; ++kk) {
+                f16_split2(p[4 * kk], p[4 * kk + 1], ph[kk][0], pl[kk][0]);
+                f16_split2(p[4 * kk + 2], p[4 * kk + 3], ph[kk][1], pl[kk][1]);
+            }
 #pragma unroll
             for (int mt = 0; mt < MTILES; ++mt) {
                 float* acc = o[n][mt];
@@ -257,10 +294,11 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
                 acc[2] *= corr0;
                 acc[3] *= corr1;
 #pragma unroll
-                for (int kstep = 0; kstep < 2; ++kstep) {
-                    u32 ah[4], al[4];
-                    tf32_split_a_km(ah, al, vt + 8 * kstep * VP + d0 + 16 * mt, VP);
-                    mma_tf32x3(acc, ah, al, ph + 2 * kstep, pl + 2 * kstep);
+                for (int kk = 0; kk < KT; ++kk) {
+                    u32 a[4];
+                    ldsm_at(a, vt + 16 * kk * LD + d0 + 16 * mt, LD);
+                    mma_f16(acc, a, pl[kk]);
+                    mma_f16(acc, a, ph[kk]);
                 }
             }
         }
@@ -288,7 +326,7 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
 
 #define ATTENTION_PARTIAL(ND, NG)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * adec_warps(32 * ND))                                         \
-        attention_partial_d##ND##_g##NG(const float* q, const float* k, const float* v, float* part, int heads, \
+        attention_partial_d##ND##_g##NG(const float* q, const u16* k, const u16* v, float* part, int heads,     \
                                         int kv_heads, const int* pos_ptr, int pos0) {                           \
         grid_dep();                                                                                            \
         attention_partial_impl<ND, NG>(q, k, v, part, heads, kv_heads, pos_ptr, pos0);                        \
@@ -305,48 +343,56 @@ ATTENTION_PARTIAL(16, 2)
 
 // o[r][c] = sum_s exp(m_s - M) acc_s[c] / sum_s exp(m_s - M) l_s over the splits of row r
 // (splits past the row's keys hold max = -inf and weigh nothing). One block of 256 threads per
-// (row, 32 columns): the split weights are computed into shared memory, then warp w sums its
-// lane's column over splits w, w + 8, ... and warp 0 adds the eight partial sums. With a gate
-// (the attention layer's output gate, [rows][d]) o is then multiplied by sigmoid(gate), as
+// (row, 32 columns), so that thread s holds split s's max and sum (the host makes at most 256
+// splits): every value the block reads is requested first, warp w's lane holding its column of
+// splits w, w + 8, ... in registers, so the block waits on memory once, then on its reductions;
+// warp w sums its column over its splits in order and warp 0 adds the eight partial sums. With a
+// gate (the attention layer's output gate, [rows][d]) o is then multiplied by sigmoid(gate), as
 // sigmoid_mul would.
 constexpr int MAX_SPLITS = 256;
-extern "C" __global__ void attention_combine(const float* part, const float* gate, float* o, int d, int splits) {
+extern "C" __global__ void __launch_bounds__(256) attention_combine(const float* part, const float* gate, float* o,
+                                                                    int d, int splits) {
     grid_dep();
+    constexpr int WARPS = 8, PER_WARP = MAX_SPLITS / WARPS;
     __shared__ float wgt[MAX_SPLITS];
-    __shared__ float red[32];
-    __shared__ float colsum[8][32];
-    const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const float* pr = part + (size_t)r * splits * (d + 2);
-    float mm = NEG_INF;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) mm = fmaxf(mm, pr[(size_t)s * (d + 2) + d]);
-    for (int o2 = 16; o2 > 0; o2 >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o2));
-    if (lane == 0) red[warp] = mm;
-    __syncthreads();
-    mm = red[0];
-    for (int w = 1; w < nw; ++w) mm = fmaxf(mm, red[w]);
-    __syncthreads();
-    float ls = 0.f;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-        const float ms = pr[(size_t)s * (d + 2) + d];
-        const float w = ms == NEG_INF ? 0.f : expf(ms - mm);
-        wgt[s] = w;
-        ls += pr[(size_t)s * (d + 2) + d + 1] * w;
-    }
-    ls = warp_sum(ls);
-    if (lane == 0) red[warp] = ls;
-    __syncthreads();
-    ls = 0.f;
-    for (int w = 0; w < nw; ++w) ls += red[w];
+    __shared__ float red[2][WARPS];
+    __shared__ float colsum[WARPS][32];
+    const int r = blockIdx.x, s = threadIdx.x, lane = s & 31, warp = s >> 5;
     const int c = blockIdx.y * 32 + lane;
+    const float* pr = part + (size_t)r * splits * (d + 2);
+    float acc[PER_WARP];
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i) {
+        const int si = warp + WARPS * i;
+        acc[i] = c < d && si < splits ? pr[(size_t)si * (d + 2) + c] : 0.f;
+    }
+    const float ms = s < splits ? pr[(size_t)s * (d + 2) + d] : NEG_INF;
+    const float ls = s < splits ? pr[(size_t)s * (d + 2) + d + 1] : 0.f;
+    float mm = ms;
+    for (int o2 = 16; o2 > 0; o2 >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o2));
+    if (lane == 0) red[0][warp] = mm;
+    __syncthreads();
+    mm = red[0][0];
+    for (int w = 1; w < WARPS; ++w) mm = fmaxf(mm, red[0][w]);
+    const float w = ms == NEG_INF ? 0.f : expf(ms - mm);
+    wgt[s] = w;
+    const float lw = warp_sum(ls * w);
+    if (lane == 0) red[1][warp] = lw;
+    __syncthreads();
+    float l = 0.f;
+    for (int i = 0; i < WARPS; ++i) l += red[1][i];
     float a = 0.f;
-    if (c < d)
-        for (int s = warp; s < splits; s += nw) a = fmaf(pr[(size_t)s * (d + 2) + c], wgt[s], a);
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i) {
+        const int si = warp + WARPS * i;
+        if (si < splits) a = fmaf(acc[i], wgt[si], a);
+    }
     colsum[warp][lane] = a;
     __syncthreads();
     if (warp == 0 && c < d) {
         float total = 0.f;
-        for (int w = 0; w < nw; ++w) total += colsum[w][lane];
-        const float out = total / ls;
+        for (int i = 0; i < WARPS; ++i) total += colsum[i][lane];
+        const float out = total / l;
         o[(size_t)r * d + c] = gate ? out * sigmoid(gate[(size_t)r * d + c]) : out;
     }
 }
@@ -356,95 +402,69 @@ extern "C" __global__ void attention_combine(const float* part, const float* gat
 // One block per (128 queries, query head): 8 warps, each owning 16 query rows. The block walks the
 // keys in tiles of 32 up to its last query's position, computing the scores S = Q K^T and then
 // O += P V with an online softmax (running max and sum per row, O rescaled when the max grows).
-// Exactness: every operand is split in two bf16 parts (hi + lo) and each product is taken as
-// hi*hi + hi*lo + lo*hi with f32 accumulators (the lo*lo term is below 2^-16 of the result), so
-// the output stays within ~1e-10 (NMSE) of the f32 reference. kv_split writes the cache's split
-// once per layer and chunk, so the tiles arrive by cp.async: K tile j + 1 is requested as soon as
-// S of tile j is done, V tile j + 1 as soon as its P V is, each overlapping the other's work.
-// Shared memory (u16): Q hi/lo [128][D + 8], K hi/lo and V hi/lo [32][D + 8] (the pitch makes
-// each warp's fragment loads hit 32 different banks): 198 KiB at D = 256, one block per SM.
+// Exactness: K and V are the cache's f16 values, exact as they are; Q and P are split in two f16
+// parts (hi + lo, f16_split2) and each product is taken as hi*K + lo*K with f32 accumulators, so
+// the output stays within ~1e-10 (NMSE) of the f32 reference on the same cache. The tiles arrive
+// from the cache by cp.async: K tile j + 1 is requested as soon as S of tile j is done, V tile
+// j + 1 as soon as its P V is, each overlapping the other's work. Shared memory (u16): Q hi/lo
+// [128][D + 8], K and V [32][D + 8] (the pitch makes each warp's fragment loads hit 32 different
+// banks): 165 KiB at D = 256, one block per SM.
 constexpr int FA_BQ = 128;
 constexpr int FA_BK = 32;
 constexpr int FA_THREADS = 256;
 
-__host__ __device__ constexpr int fa_smem_bytes(int d) { return 2 * (2 * FA_BQ * (d + 8) + 4 * FA_BK * (d + 8)); }
+__host__ __device__ constexpr int fa_smem_bytes(int d) { return 2 * (2 * FA_BQ * (d + 8) + 2 * FA_BK * (d + 8)); }
 
-// x [n] f32 -> hi, lo [n] bf16 (n a multiple of 4). One thread per 4 values.
-extern "C" __global__ void kv_split(const float* x, u16* hi, u16* lo, long long n4) {
-    grid_dep();
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n4) return;
-    const float4 v = reinterpret_cast<const float4*>(x)[i];
-    u32 h[4], l[4];
-    bf16_split(v.x, h[0], l[0]);
-    bf16_split(v.y, h[1], l[1]);
-    bf16_split(v.z, h[2], l[2]);
-    bf16_split(v.w, h[3], l[3]);
-    reinterpret_cast<uint2*>(hi)[i] = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
-    reinterpret_cast<uint2*>(lo)[i] = make_uint2(l[0] | (l[1] << 16), l[2] | (l[3] << 16));
-}
-
-// Rows [row0, row0 + rows) of a split [*, ld] matrix, D columns from col0, into tiles
-// [rows][D + 8] by cp.async; rows at or past `valid` are zero.
+// Rows [row0, row0 + rows) of a cache [*, ld], D columns from col0, into a tile [rows][D + 8] by
+// cp.async; rows at or past `valid` are zero.
 template <int D>
-__device__ __forceinline__ void fa_fetch(u16* hi, u16* lo, const u16* src_hi, const u16* src_lo, size_t ld, int col0,
-                                         int row0, int rows, int valid) {
+__device__ __forceinline__ void fa_fetch(u16* tile, const u16* src, size_t ld, int col0, int row0, int rows,
+                                         int valid) {
     constexpr int D8 = D / 8;
     for (int i = threadIdx.x; i < rows * D8; i += FA_THREADS) {
         const int r = i / D8, c = (i % D8) * 8;
-        u16* dh = hi + r * (D + 8) + c;
-        u16* dl = lo + r * (D + 8) + c;
-        if (row0 + r < valid) {
-            const size_t at = (size_t)(row0 + r) * ld + col0 + c;
-            cp_async16(dh, src_hi + at);
-            cp_async16(dl, src_lo + at);
-        } else {
-            *reinterpret_cast<uint4*>(dh) = make_uint4(0u, 0u, 0u, 0u);
-            *reinterpret_cast<uint4*>(dl) = make_uint4(0u, 0u, 0u, 0u);
-        }
+        u16* dst = tile + r * (D + 8) + c;
+        if (row0 + r < valid) cp_async16(dst, src + (size_t)(row0 + r) * ld + col0 + c);
+        else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
     }
     cp_async_commit();
 }
 
-// q [T, H*D] at positions pos0.., the split caches [keys, KVH*D] holding positions
+// q [T, H*D] at positions pos0.., the caches [keys, KVH*D] holding positions
 // 0 .. pos0 + T - 1, o [T, H*D]. Launch with 256 threads, (ceil(T / 128), H) blocks and
 // fa_smem_bytes(D) bytes of dynamic shared memory.
 template <int D>
-__device__ __forceinline__ void attention_prefill_impl(const float* __restrict__ q, const u16* khi, const u16* klo,
-                                                       const u16* vhi, const u16* vlo, float* __restrict__ o,
-                                                       int tokens, int heads, int kv_heads, int pos0) {
+__device__ __forceinline__ void attention_prefill_impl(const float* __restrict__ q, const u16* __restrict__ k,
+                                                       const u16* __restrict__ v, float* __restrict__ o, int tokens,
+                                                       int heads, int kv_heads, int pos0) {
     constexpr int NO = D / 8;  // output n-tiles per warp
     constexpr int LD = D + 8;
     extern __shared__ __align__(16) u16 fa_smem[];
     require_dynamic_smem(fa_smem_bytes(D));
     u16* qh = fa_smem;
     u16* ql = qh + FA_BQ * LD;
-    u16* kh = ql + FA_BQ * LD;
-    u16* kl = kh + FA_BK * LD;
-    u16* vh = kl + FA_BK * LD;
-    u16* vl = vh + FA_BK * LD;
+    u16* kt = ql + FA_BQ * LD;
+    u16* vt = kt + FA_BK * LD;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, cq = lane & 3;
     const int t0 = blockIdx.x * FA_BQ, h = blockIdx.y, kvh = h / (heads / kv_heads);
     const size_t qld = (size_t)heads * D, kld = (size_t)kv_heads * D;
     const int keys = pos0 + tokens;
     const int last = min(pos0 + t0 + FA_BQ, keys);  // keys [0, last) can be seen by the block
-    fa_fetch<D>(kh, kl, khi, klo, kld, kvh * D, 0, FA_BK, keys);
-    fa_fetch<D>(vh, vl, vhi, vlo, kld, kvh * D, 0, FA_BK, keys);
+    fa_fetch<D>(kt, k, kld, kvh * D, 0, FA_BK, keys);
+    fa_fetch<D>(vt, v, kld, kvh * D, 0, FA_BK, keys);
     // Q, scaled by 1/sqrt(D), split while the first tiles arrive.
     {
         const float scale = rsqrtf((float)D);
         constexpr int D4 = D / 4;
         for (int i = tid; i < FA_BQ * D4; i += FA_THREADS) {
             const int r = i / D4, c = (i % D4) * 4;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (t0 + r < tokens) v = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * qld + h * D + c);
-            u32 hb[4], lb[4];
-            bf16_split(v.x * scale, hb[0], lb[0]);
-            bf16_split(v.y * scale, hb[1], lb[1]);
-            bf16_split(v.z * scale, hb[2], lb[2]);
-            bf16_split(v.w * scale, hb[3], lb[3]);
-            *reinterpret_cast<uint2*>(qh + r * LD + c) = make_uint2(hb[0] | (hb[1] << 16), hb[2] | (hb[3] << 16));
-            *reinterpret_cast<uint2*>(ql + r * LD + c) = make_uint2(lb[0] | (lb[1] << 16), lb[2] | (lb[3] << 16));
+            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (t0 + r < tokens) x = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * qld + h * D + c);
+            uint2 hb, lb;
+            f16_split2(x.x * scale, x.y * scale, hb.x, lb.x);
+            f16_split2(x.z * scale, x.w * scale, hb.y, lb.y);
+            *reinterpret_cast<uint2*>(qh + r * LD + c) = hb;
+            *reinterpret_cast<uint2*>(ql + r * LD + c) = lb;
         }
     }
     // This thread's two query rows (fragment rows gq and gq + 8 of the warp's 16).
@@ -466,8 +486,8 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = sx[n][e] = 0.f;
         if (active) {
-            // S = Q K^T for the warp's 16 rows x 32 keys; the cross terms accumulate apart from
-            // hi*hi, so that consecutive products do not wait on each other.
+            // S = Q K^T for the warp's 16 rows x 32 keys; the lo terms accumulate apart from the
+            // hi ones, so that consecutive products do not wait on each other.
 #pragma unroll 4
             for (int ks = 0; ks < D / 16; ++ks) {
                 u32 ah[4], al[4];
@@ -475,21 +495,19 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
                 ldsm_a(al, ql + warp * 16 * LD + ks * 16, LD);
 #pragma unroll
                 for (int n2 = 0; n2 < 2; ++n2) {
-                    u32 bh[4], bl[4];  // keys n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
-                    ldsm_b2(bh, kh + n2 * 16 * LD + ks * 16, LD);
-                    ldsm_b2(bl, kl + n2 * 16 * LD + ks * 16, LD);
+                    u32 b[4];  // keys n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
+                    ldsm_b2(b, kt + n2 * 16 * LD + ks * 16, LD);
 #pragma unroll
                     for (int h2 = 0; h2 < 2; ++h2) {
                         const int n = 2 * n2 + h2;
-                        mma_bf16(s[n], ah, bh + 2 * h2);
-                        mma_bf16(sx[n], ah, bl + 2 * h2);
-                        mma_bf16(sx[n], al, bh + 2 * h2);
+                        mma_f16(s[n], ah, b + 2 * h2);
+                        mma_f16(sx[n], al, b + 2 * h2);
                     }
                 }
             }
         }
         __syncthreads();  // every warp is done with this K tile
-        if (more) fa_fetch<D>(kh, kl, khi, klo, kld, kvh * D, k0 + FA_BK, FA_BK, keys);
+        if (more) fa_fetch<D>(kt, k, kld, kvh * D, k0 + FA_BK, FA_BK, keys);
         float p[4][4];
         float corr[2] = {1.f, 1.f};
         if (active) {
@@ -543,30 +561,22 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
                 const float* pb = p[2 * kk + 1];
                 const float pv[4][2] = {{pa[0], pa[1]}, {pa[2], pa[3]}, {pb[0], pb[1]}, {pb[2], pb[3]}};
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    u32 h0, l0, h1, l1;
-                    bf16_split(pv[i][0], h0, l0);
-                    bf16_split(pv[i][1], h1, l1);
-                    ph[i] = h0 | (h1 << 16);
-                    pl[i] = l0 | (l1 << 16);
-                }
+                for (int i = 0; i < 4; ++i) f16_split2(pv[i][0], pv[i][1], ph[i], pl[i]);
 #pragma unroll
                 for (int n2 = 0; n2 < NO / 2; ++n2) {
-                    u32 bh[4], bl[4];  // dims n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
-                    ldsm_bt2(bh, vh + kk * 16 * LD + n2 * 16, LD);
-                    ldsm_bt2(bl, vl + kk * 16 * LD + n2 * 16, LD);
+                    u32 b[4];  // dims n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
+                    ldsm_bt2(b, vt + kk * 16 * LD + n2 * 16, LD);
 #pragma unroll
                     for (int h2 = 0; h2 < 2; ++h2) {
                         float* out = acc[2 * n2 + h2];
-                        mma_bf16(out, ph, bh + 2 * h2);
-                        mma_bf16(out, ph, bl + 2 * h2);
-                        mma_bf16(out, pl, bh + 2 * h2);
+                        mma_f16(out, pl, b + 2 * h2);
+                        mma_f16(out, ph, b + 2 * h2);
                     }
                 }
             }
         }
         __syncthreads();  // every warp is done with this V tile
-        if (more) fa_fetch<D>(vh, vl, vhi, vlo, kld, kvh * D, k0 + FA_BK, FA_BK, keys);
+        if (more) fa_fetch<D>(vt, v, kld, kvh * D, k0 + FA_BK, FA_BK, keys);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -590,10 +600,10 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
 
 #define ATTENTION_PREFILL(D)                                                                                   \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                  \
-        attention_prefill_d##D(const float* q, const u16* khi, const u16* klo, const u16* vhi, const u16* vlo, \
-                               float* o, int tokens, int heads, int kv_heads, int pos0) {                      \
+        attention_prefill_d##D(const float* q, const u16* k, const u16* v, float* o, int tokens, int heads,    \
+                               int kv_heads, int pos0) {                                                       \
         grid_dep();                                                                                            \
-        attention_prefill_impl<D>(q, khi, klo, vhi, vlo, o, tokens, heads, kv_heads, pos0);                    \
+        attention_prefill_impl<D>(q, k, v, o, tokens, heads, kv_heads, pos0);                                  \
     }
 // Head dims 64, 128 and 256 (512 takes the split-K kernels: its tiles would not fit).
 ATTENTION_PREFILL(64)

@@ -141,6 +141,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 // All but the most recently committed group have landed.
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+// All but the N most recently committed groups have landed.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // ---- tensor cores (sm_80+): bf16 inputs, f32 accumulators.
 
@@ -199,6 +202,47 @@ __device__ __forceinline__ void ldsm_b2(u32 b[4], const u16* tile, int ld) {
 __device__ __forceinline__ void ldsm_bt2(u32 b[4], const u16* tile, int ld) {
     const int l = threadIdx.x & 31;
     ldsm_x4_trans(b, tile + ((l & 7) + 8 * ((l >> 3) & 1)) * ld + 8 * (l >> 4));
+}
+
+// ---- the KV cache's f16 values, and tensor-core products on them (sm_80+, f32 accumulators).
+
+// x as the cache holds it (the CPU reference's kv_value): f16 bits, rounded to nearest even, with
+// magnitudes past f16's largest finite value saturated to it (NaN stays NaN).
+__device__ __forceinline__ u16 f16_bits(float x) {
+    x = fabsf(x) > 65504.f ? copysignf(65504.f, x) : x;
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+
+// a and b split in two f16 parts each, hi = f16(x) and lo = f16(x - hi), packed as the fragments
+// of a 16-bit product take a pair (a in the low half): 22 significant bits together (fewer only
+// where lo falls below f16's normal range, at magnitudes under 2^-3 of one).
+__device__ __forceinline__ void f16_split2(float a, float b, u32& hi, u32& lo) {
+    const u16 ha = f16_bits(a), hb = f16_bits(b);
+    hi = (u32)ha | ((u32)hb << 16);
+    lo = (u32)f16_bits(a - f16_to_f32(ha)) | ((u32)f16_bits(b - f16_to_f32(hb)) << 16);
+}
+
+// d += a * b over one m16n8k16 tile (f16 inputs, f32 accumulators); fragments as mma_bf16's.
+__device__ __forceinline__ void mma_f16(float d[4], const u32 a[4], const u32 b[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The A fragment of an m16n8k16 product from a k-major tile (16 rows of k with m contiguous; A is
+// its transpose), transposed by ldmatrix: matrices (m 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
+// (8-15, 8-15) as ldsm_a's.
+__device__ __forceinline__ void ldsm_at(u32 a[4], const u16* tile, int ld) {
+    const int l = threadIdx.x & 31;
+    ldsm_x4_trans(a, tile + ((l & 7) + 8 * (l >> 4)) * ld + 8 * ((l >> 3) & 1));
 }
 
 // ---- tensor cores on f32 data (sm_80+): tf32 inputs, f32 accumulators.
