@@ -151,19 +151,26 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     const size_t row = (size_t)kv_heads * D;
     const int tiles_n = end > start ? (end - start + TILE - 1) / TILE : 0;
     // Tile j's K and V rows into stage j % STAGES, 16 bytes a copy; one commit group per tile.
+    // Each thread copies the same (key, column) slots of every tile: keys key0 + ROWS_AT_ONCE r.
+    constexpr int THREADS = 32 * WARPS, ROWS_AT_ONCE = THREADS / (D / 8), COPIES = TILE / ROWS_AT_ONCE;
+    static_assert(THREADS % (D / 8) == 0 && TILE % ROWS_AT_ONCE == 0, "copy slots");
+    const int key0 = threadIdx.x / (D / 8), col = 8 * (threadIdx.x % (D / 8));
+    const u16* k_at = k + (size_t)kvh * D + col;
+    const u16* v_at = v + (size_t)kvh * D + col;
     auto fetch = [&](int j) {
         if (j < tiles_n) {
-            u16* kt = stages + (j % STAGES) * STAGE;
+            u16* kt = stages + (j % STAGES) * STAGE + key0 * LD + col;
             u16* vt = kt + TILE * LD;
             const int p0 = start + j * TILE, n = min(TILE, end - p0);
-            for (int i = threadIdx.x; i < TILE * (D / 8); i += blockDim.x) {
-                const int key = i / (D / 8), col = 8 * (i % (D / 8));
+#pragma unroll
+            for (int r = 0; r < COPIES; ++r) {
+                const int key = key0 + ROWS_AT_ONCE * r;
                 if (key < n) {
-                    const size_t src = (size_t)(p0 + key) * row + (size_t)kvh * D + col;
-                    cp_async16(kt + key * LD + col, k + src);
-                    cp_async16(vt + key * LD + col, v + src);
+                    const size_t src = (size_t)(p0 + key) * row;
+                    cp_async16(kt + ROWS_AT_ONCE * r * LD, k_at + src);
+                    cp_async16(vt + ROWS_AT_ONCE * r * LD, v_at + src);
                 } else {
-                    *reinterpret_cast<uint4*>(vt + key * LD + col) = make_uint4(0u, 0u, 0u, 0u);
+                    *reinterpret_cast<uint4*>(vt + ROWS_AT_ONCE * r * LD) = make_uint4(0u, 0u, 0u, 0u);
                 }
             }
         }
@@ -283,8 +290,8 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
             u32 ph[KT][2], pl[KT][2];
 #pragma unroll
             for (int kk = 0; kk < KT; ++kk) {
-                f16_split2(p[4 * kk], p[4 * kk + 1], ph[kk][0], pl[kk][0]);
-                f16_split2(p[4 * kk + 2], p[4 * kk + 3], ph[kk][1], pl[kk][1]);
+                f16_split2_unit(p[4 * kk], p[4 * kk + 1], ph[kk][0], pl[kk][0]);
+                f16_split2_unit(p[4 * kk + 2], p[4 * kk + 3], ph[kk][1], pl[kk][1]);
             }
 #pragma unroll
             for (int mt = 0; mt < MTILES; ++mt) {

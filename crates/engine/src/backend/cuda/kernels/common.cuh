@@ -229,6 +229,13 @@ __device__ __forceinline__ void f16_split2(float a, float b, u32& hi, u32& lo) {
     lo = (u32)f16_bits(a - f16_to_f32(ha)) | ((u32)f16_bits(b - f16_to_f32(hb)) << 16);
 }
 
+// (a, b) rounded to f16 and packed, a in the low half (one conversion for the pair).
+__device__ __forceinline__ u32 f16x2_bits(float a, float b) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+
 // d += a * b over one m16n8k16 tile (f16 inputs, f32 accumulators); fragments as mma_bf16's.
 __device__ __forceinline__ void mma_f16(float d[4], const u32 a[4], const u32 b[2]) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -256,6 +263,16 @@ __device__ __forceinline__ u32 tf32_round(u32 bits) { return (bits + 0x1000u) & 
 __device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
     hi = tf32_round(__float_as_uint(x));
     lo = tf32_round(__float_as_uint(x - __uint_as_float(hi)));
+}
+
+// f16_split2 for values in [0, 1] (probabilities): hi rounded to 11 significant bits by integer
+// operations (tf32_round: f16's precision, exact in f16 down to 2^-14), lo = x - hi, each pair
+// converted at once. No range checks.
+__device__ __forceinline__ void f16_split2_unit(float a, float b, u32& hi, u32& lo) {
+    const float ha = __uint_as_float(tf32_round(__float_as_uint(a)));
+    const float hb = __uint_as_float(tf32_round(__float_as_uint(b)));
+    hi = f16x2_bits(ha, hb);
+    lo = f16x2_bits(a - ha, b - hb);
 }
 
 // d += a * b over one m16n8k8 tile (tf32 inputs, f32 accumulators). Fragments, with g = lane / 4
