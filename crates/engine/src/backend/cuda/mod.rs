@@ -2106,14 +2106,30 @@ impl CudaBackend {
         }
         // Geometric growth, so appends stay amortised.
         let capacity = rows.max(2 * c.capacity).min(c.max_seq);
-        let nk = self.alloc::<u16>(capacity * c.row)?;
-        let nv = self.alloc::<u16>(capacity * c.row)?;
-        self.copy::<u16>(self.ptr(&c.k), self.ptr(&nk), c.len * c.row)?;
-        self.copy::<u16>(self.ptr(&c.v), self.ptr(&nv), c.len * c.row)?;
-        c.k = nk;
-        c.v = nv;
-        c.capacity = capacity;
+        *c = self.kv_copy(c, c.len, capacity, c.max_seq)?;
         Ok(())
+    }
+
+    /// A new cache of `capacity` positions holding the first `len` of `c` (`len` <= both).
+    fn kv_copy(
+        &self,
+        c: &CudaKvCache,
+        len: usize,
+        capacity: usize,
+        max_seq: usize,
+    ) -> Result<CudaKvCache> {
+        let k = self.alloc::<u16>(capacity * c.row)?;
+        let v = self.alloc::<u16>(capacity * c.row)?;
+        self.copy::<u16>(self.ptr(&c.k), self.ptr(&k), len * c.row)?;
+        self.copy::<u16>(self.ptr(&c.v), self.ptr(&v), len * c.row)?;
+        Ok(CudaKvCache {
+            k,
+            v,
+            row: c.row,
+            capacity,
+            len,
+            max_seq,
+        })
     }
 
     /// Attention over the cache, multiplied by sigmoid(gate) when a gate is given: in the split
@@ -2441,18 +2457,7 @@ impl Backend for CudaBackend {
     fn clone_kv_cache(&self, c: &CudaKvCache, len: usize, max_seq: usize) -> Result<CudaKvCache> {
         let len = len.min(c.len);
         let capacity = len.next_multiple_of(256).max(256).min(max_seq).max(len);
-        let k = self.alloc::<u16>(capacity * c.row)?;
-        let v = self.alloc::<u16>(capacity * c.row)?;
-        self.copy::<u16>(self.ptr(&c.k), self.ptr(&k), len * c.row)?;
-        self.copy::<u16>(self.ptr(&c.v), self.ptr(&v), len * c.row)?;
-        Ok(CudaKvCache {
-            k,
-            v,
-            row: c.row,
-            capacity,
-            len,
-            max_seq,
-        })
+        self.kv_copy(c, len, capacity, max_seq)
     }
 
     fn gdn_state_bytes(&self, s: &CudaGdnState) -> usize {
