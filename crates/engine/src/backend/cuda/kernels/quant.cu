@@ -655,9 +655,9 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 // With `logits` (the router's `experts` logits, at most 32 * KEYS), the token is routed here
 // rather than by the router product: every block's first warp routes it (route_token, into shared
 // memory) right after the wait, and the last block writes the choice to `ids` and `weights` for
-// the kernels after (only it computes the weights). The router product then ends with its last row: routing in its last block (a
-// ticket, a fence and a reload of the logits from L2 first) held the whole expert block back
-// longer (docs/performance.md, session 17). Routing in every block costs no more than reading the
+// the kernels after (only it computes the weights). The router product then ends with its last
+// row: routing in its last block (a ticket, a fence and a reload of the logits from L2 first) held
+// the whole expert block back longer (docs/performance.md, session 17). Routing in every block costs no more than reading the
 // ids. A kernel for each KEYS (up to 256 experts, up to 512): with both routings in one, its code
 // was 94 KB against 56, and its warps waited for instructions 10.6% of their cycles (Nsight
 // Compute, session 18). With `ids_ready`, the last block flags the ids to the down kernel once
