@@ -515,7 +515,7 @@ fn allow_dynamic_smem(func: &CudaFunction, bytes: usize) -> Result<()> {
 /// (`fa_smem_bytes`, kernels/attention.cu: Q's tile as f16 hi and lo, K's and V's; the kernel
 /// traps if a launch gives it less).
 fn fa_smem_bytes(d: usize) -> usize {
-    2 * (2 * FA_QUERIES * (d + 8) + 2 * 32 * (d + 8))
+    2 * (2 * FA_QUERIES * (d + 8) + 2 * FA_KEYS * (d + 8))
 }
 
 /// Tokens per chunk of the chunked GDN recurrence (`GDN_C`, kernels/gdn.cu) and state rows per
@@ -951,6 +951,8 @@ const NORM_PER_THREAD: usize = 8;
 /// Tokens per thread of the conv kernel (`CONV_TOKENS`, kernels/gdn.cu).
 const CONV_TOKENS: u32 = 64;
 
+/// Keys per tile of the flash-attention prefill kernel (`FA_BK`, kernels/attention.cu).
+const FA_KEYS: usize = 64;
 /// Queries per block of the flash-attention prefill kernel (`FA_BQ`, kernels/attention.cu: 8
 /// warps of 16), and the tokens from which attention takes it (below, the split-K kernels fill
 /// the GPU better).

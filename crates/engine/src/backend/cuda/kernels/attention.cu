@@ -2,10 +2,25 @@
 // cache (f16 values: f16_bits, as the CPU reference's kv_value rounds them) split along the keys
 // (split-K: many blocks per query head at long contexts, merged by a second kernel with the usual
 // max/sum rescaling).
+//
+// Every softmax here works in log2 units: the queries are scaled by log2(e) / sqrt(D) before they
+// are split, so that exp(s - m) is 2^(s' - m') and takes one special-function instruction
+// (exp2_ftz); the maxima the split kernels hand to the merge are in the same units.
 
 // Decode steps replayed from a CUDA graph read the position from device memory (`pos_ptr`, written
 // before each replay); eager launches pass it by value (`pos_ptr` null).
 __device__ __forceinline__ int position(const int* pos_ptr, int pos0) { return pos_ptr ? *pos_ptr : pos0; }
+
+// 2^x by the special-function unit alone, results under 2^-126 flushed to 0 (a probability that
+// small adds nothing next to its row's largest, which is 1); 2^-inf = 0. expf took the scaling
+// by log2(e) and exp2f a rescaling for subnormal results around the same instruction: prefill
+// attention's softmax, which runs on the CUDA cores beside the tensor products, was a measured
+// part of its time (docs/performance.md, session 22).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // Rotate-half RoPE of one pair of a head, dims j and j + rotary/2 (a and b), at position pos.
 // Angles in f64 (as the CPU reference computes its table), then cos/sin rounded to f32.
@@ -183,7 +198,7 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     // d0 + 16 ks + 2c, + 1 and + 8, + 9), scaled and split once for every tile.
     u32 qh[NG][KSTEPS][2], ql[NG][KSTEPS][2];
     {
-        const float scale = rsqrtf((float)D);
+        const float scale = rsqrtf((float)D) * 1.4426950408889634f;  // and log2(e): exp2 below
 #pragma unroll
         for (int n = 0; n < NG; ++n) {
             const int h = 8 * n + g;
@@ -272,11 +287,11 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
             const float m_new = fmaxf(m[n], tile_max);  // finite: every tile has a key before `end`
-            const float corr = expf(m[n] - m_new);      // 0 on the first tile (m = -inf)
+            const float corr = exp2_ftz(m[n] - m_new);  // 0 on the first tile (m = -inf)
             float p[4 * KT], tile_sum = 0.f;
 #pragma unroll
             for (int i = 0; i < 4 * KT; ++i) {
-                p[i] = sc[i] == NEG_INF ? 0.f : expf(sc[i] - m_new);
+                p[i] = sc[i] == NEG_INF ? 0.f : exp2_ftz(sc[i] - m_new);
                 tile_sum += p[i];
             }
             tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 1);
@@ -348,14 +363,14 @@ ATTENTION_PARTIAL(4, 2)
 ATTENTION_PARTIAL(8, 2)
 ATTENTION_PARTIAL(16, 2)
 
-// o[r][c] = sum_s exp(m_s - M) acc_s[c] / sum_s exp(m_s - M) l_s over the splits of row r
-// (splits past the row's keys hold max = -inf and weigh nothing). One block of 256 threads per
-// (row, 32 columns), so that thread s holds split s's max and sum (the host makes at most 256
-// splits): every value the block reads is requested first, warp w's lane holding its column of
-// splits w, w + 8, ... in registers, so the block waits on memory once, then on its reductions;
-// warp w sums its column over its splits in order and warp 0 adds the eight partial sums. With a
-// gate (the attention layer's output gate, [rows][d]) o is then multiplied by sigmoid(gate), as
-// sigmoid_mul would.
+// o[r][c] = sum_s 2^(m_s - M) acc_s[c] / sum_s 2^(m_s - M) l_s over the splits of row r (maxima in
+// log2 units; splits past the row's keys hold max = -inf and weigh nothing). One block of 256
+// threads per (row, 32 columns), so that thread s holds split s's max and sum (the host makes at
+// most 256 splits): every value the block reads is requested first, warp w's lane holding its
+// column of splits w, w + 8, ... in registers, so the block waits on memory once, then on its
+// reductions; warp w sums its column over its splits in order and warp 0 adds the eight partial
+// sums. With a gate (the attention layer's output gate, [rows][d]) o is then multiplied by
+// sigmoid(gate), as sigmoid_mul would.
 constexpr int MAX_SPLITS = 256;
 extern "C" __global__ void __launch_bounds__(256) attention_combine(const float* part, const float* gate, float* o,
                                                                     int d, int splits) {
@@ -381,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
     __syncthreads();
     mm = red[0][0];
     for (int w = 1; w < WARPS; ++w) mm = fmaxf(mm, red[0][w]);
-    const float w = ms == NEG_INF ? 0.f : expf(ms - mm);
+    const float w = exp2_ftz(ms - mm);  // an empty split: 2^-inf = 0
     wgt[s] = w;
     const float lw = warp_sum(ls * w);
     if (lane == 0) red[1][warp] = lw;
@@ -407,17 +422,20 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
 // ---- prefill: causal flash attention on the tensor cores.
 //
 // One block per (128 queries, query head): 8 warps, each owning 16 query rows. The block walks the
-// keys in tiles of 32 up to its last query's position, computing the scores S = Q K^T and then
-// O += P V with an online softmax (running max and sum per row, O rescaled when the max grows).
-// Exactness: K and V are the cache's f16 values, exact as they are; Q and P are split in two f16
-// parts (hi + lo, f16_split2) and each product is taken as hi*K + lo*K with f32 accumulators, so
-// the output stays within ~1e-10 (NMSE) of the f32 reference on the same cache. The tiles arrive
-// from the cache by cp.async: K tile j + 1 is requested as soon as S of tile j is done, V tile
-// j + 1 as soon as its P V is, each overlapping the other's work. Shared memory (u16): Q hi/lo
-// [128][D + 8], K and V [32][D + 8] (the pitch makes each warp's fragment loads hit 32 different
-// banks): 165 KiB at D = 256, one block per SM.
+// keys in tiles of 64 up to its last query's position, computing the scores S = Q K^T and then
+// O += P V with an online softmax (running max and sum per row, O rescaled only when a row's max
+// grows). Exactness: K and V are the cache's f16 values, exact as they are; Q and P are split in
+// two f16 parts (hi + lo: f16_split2, and f16_split2_unit for the probabilities) and each product
+// is taken as hi*K + lo*K with f32 accumulators, so the output stays within ~1e-10 (NMSE) of the
+// f32 reference on the same cache. The tiles arrive from the cache by cp.async: K tile j + 1 is
+// requested as soon as S of tile j is done, V tile j + 1 as soon as its P V is, each overlapping
+// the other's work. Shared memory (u16): Q hi/lo [128][D + 8], K and V [64][D + 8] (the pitch
+// makes each warp's fragment loads hit 32 different banks): 198 KiB at D = 256, one block per SM.
+// Tiles of 64 keys halve the barriers and the reloads of Q's fragments a key against 32 (prefill
+// +6% at 32,768 tokens, +12% at 131,072: session 22). Splitting the head dims over pairs of warps
+// (16 warps a block) was slower at long contexts: each pair ran the softmax twice.
 constexpr int FA_BQ = 128;
-constexpr int FA_BK = 32;
+constexpr int FA_BK = 64;
 constexpr int FA_THREADS = 256;
 
 __host__ __device__ constexpr int fa_smem_bytes(int d) { return 2 * (2 * FA_BQ * (d + 8) + 2 * FA_BK * (d + 8)); }
@@ -444,7 +462,8 @@ template <int D>
 __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__ q, const u16* __restrict__ k,
                                                        const u16* __restrict__ v, float* __restrict__ o, int tokens,
                                                        int heads, int kv_heads, int pos0) {
-    constexpr int NO = D / 8;  // output n-tiles per warp
+    constexpr int NO = D / 8;      // output n-tiles per warp
+    constexpr int NK = FA_BK / 8;  // key n-tiles of a tile's scores
     constexpr int LD = D + 8;
     extern __shared__ __align__(16) u16 fa_smem[];
     require_dynamic_smem(fa_smem_bytes(D));
@@ -453,15 +472,19 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     u16* kt = ql + FA_BQ * LD;
     u16* vt = kt + FA_BK * LD;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, cq = lane & 3;
-    const int t0 = blockIdx.x * FA_BQ, h = blockIdx.y, kvh = h / (heads / kv_heads);
+    // Blocks in launch order take the last queries first (they see the most keys, so the short
+    // ones fill the tail of the grid), the heads of one block of queries side by side (those of
+    // a KV head read the same tiles from L2 at about the same time).
+    const int order = blockIdx.x + gridDim.x * blockIdx.y;
+    const int t0 = (gridDim.x - 1 - order / heads) * FA_BQ, h = order % heads, kvh = h / (heads / kv_heads);
     const size_t qld = (size_t)heads * D, kld = (size_t)kv_heads * D;
     const int keys = pos0 + tokens;
     const int last = min(pos0 + t0 + FA_BQ, keys);  // keys [0, last) can be seen by the block
     fa_fetch<D>(kt, k, kld, kvh * D, 0, FA_BK, keys);
     fa_fetch<D>(vt, v, kld, kvh * D, 0, FA_BK, keys);
-    // Q, scaled by 1/sqrt(D), split while the first tiles arrive.
+    // Q, scaled by log2(e) / sqrt(D), split while the first tiles arrive.
     {
-        const float scale = rsqrtf((float)D);
+        const float scale = rsqrtf((float)D) * 1.4426950408889634f;  // and log2(e): exp2 below
         constexpr int D4 = D / 4;
         for (int i = tid; i < FA_BQ * D4; i += FA_THREADS) {
             const int r = i / D4, c = (i % D4) * 4;
@@ -477,7 +500,7 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     // This thread's two query rows (fragment rows gq and gq + 8 of the warp's 16).
     const int qpos0 = pos0 + t0 + warp * 16 + gq, qpos1 = qpos0 + 8;
     // Warps whose rows all precede a tile's first key skip its products.
-    const int warp_last = pos0 + t0 + warp * 16 + 15;
+    const int warp_first = pos0 + t0 + warp * 16, warp_last = warp_first + 15;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     float acc[NO][4];
 #pragma unroll
@@ -487,72 +510,80 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
         cp_async_wait_one();  // K of this tile (V may still be on its way)
         __syncthreads();
         const bool active = k0 <= warp_last;
-        float s[4][4], sx[4][4];
+        float s[NK][4];
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int n = 0; n < NK; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = sx[n][e] = 0.f;
+            for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
         if (active) {
-            // S = Q K^T for the warp's 16 rows x 32 keys; the lo terms accumulate apart from the
-            // hi ones, so that consecutive products do not wait on each other.
-#pragma unroll 4
+            // S = Q K^T for the warp's 16 rows x 64 keys, the hi and lo terms into the same
+            // accumulators (eight of them a k-step: enough independent products in flight).
+#pragma unroll 2
             for (int ks = 0; ks < D / 16; ++ks) {
                 u32 ah[4], al[4];
                 ldsm_a(ah, qh + warp * 16 * LD + ks * 16, LD);
                 ldsm_a(al, ql + warp * 16 * LD + ks * 16, LD);
 #pragma unroll
-                for (int n2 = 0; n2 < 2; ++n2) {
+                for (int n2 = 0; n2 < NK / 2; ++n2) {
                     u32 b[4];  // keys n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
                     ldsm_b2(b, kt + n2 * 16 * LD + ks * 16, LD);
 #pragma unroll
-                    for (int h2 = 0; h2 < 2; ++h2) {
-                        const int n = 2 * n2 + h2;
-                        mma_f16(s[n], ah, b + 2 * h2);
-                        mma_f16(sx[n], al, b + 2 * h2);
-                    }
+                    for (int h2 = 0; h2 < 2; ++h2) mma_f16(s[2 * n2 + h2], ah, b + 2 * h2);
+#pragma unroll
+                    for (int h2 = 0; h2 < 2; ++h2) mma_f16(s[2 * n2 + h2], al, b + 2 * h2);
                 }
             }
         }
         __syncthreads();  // every warp is done with this K tile
         if (more) fa_fetch<D>(kt, k, kld, kvh * D, k0 + FA_BK, FA_BK, keys);
-        float p[4][4];
+        float (&p)[NK][4] = s;  // the scores become the probabilities in place
         float corr[2] = {1.f, 1.f};
         if (active) {
-            // Causal mask, then the online softmax per row (the row's 32 scores are spread over
-            // the four lanes of a quad).
+            // Causal mask (only on the tiles that reach past the warp's first query or the
+            // cache: most tiles of a long context need none), then the online softmax per row
+            // (the row's 64 scores are spread over the four lanes of a quad).
+            if (k0 + FA_BK - 1 > warp_first || k0 + FA_BK > keys) {
+#pragma unroll
+                for (int n = 0; n < NK; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = k0 + n * 8 + 2 * cq + (e & 1);
+                        if (key > ((e >> 1) ? qpos1 : qpos0) || key >= keys) p[n][e] = NEG_INF;
+                    }
+            }
             float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < NK; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = k0 + n * 8 + 2 * cq + (e & 1);
-                    p[n][e] = s[n][e] + sx[n][e];
-                    if (key > ((e >> 1) ? qpos1 : qpos0) || key >= keys) p[n][e] = NEG_INF;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], p[n][e]);
-                }
+                for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], p[n][e]);
+            float base[2];  // the maxima, 0 for a row with no key yet (-inf - -inf would be NaN)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
                 const float mn = fmaxf(m[i], mx[i]);
-                corr[i] = mn == NEG_INF ? 1.f : expf(m[i] - mn);
+                corr[i] = mn == NEG_INF ? 1.f : exp2_ftz(m[i] - mn);
                 m[i] = mn;
+                base[i] = mn == NEG_INF ? 0.f : mn;
                 l[i] *= corr[i];
             }
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < NK; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float pe = p[n][e] == NEG_INF ? 0.f : expf(p[n][e] - m[e >> 1]);
-                    p[n][e] = pe;
-                    l[e >> 1] += pe;
+                    p[n][e] = exp2_ftz(p[n][e] - base[e >> 1]);  // masked: 2^-inf = 0
+                    l[e >> 1] += p[n][e];
                 }
+            // Once the rows' maxima settle most tiles leave them as they are: the rescale (a
+            // multiply by exactly 1 then) is skipped unless one of the warp's rows grew.
+            if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                acc[n][0] *= corr[0];
-                acc[n][1] *= corr[0];
-                acc[n][2] *= corr[1];
-                acc[n][3] *= corr[1];
+                for (int n = 0; n < NO; ++n) {
+                    acc[n][0] *= corr[0];
+                    acc[n][1] *= corr[0];
+                    acc[n][2] *= corr[1];
+                    acc[n][3] *= corr[1];
+                }
             }
         }
         if (more) cp_async_wait_one();  // V of this tile (the next K may still be on its way)
@@ -562,13 +593,13 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
             // O += P V: P's accumulator layout is the A-fragment layout of the next product; V's
             // fragments come transposed from its key-major tile.
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk) {
+            for (int kk = 0; kk < NK / 2; ++kk) {
                 u32 ph[4], pl[4];
                 const float* pa = p[2 * kk];
                 const float* pb = p[2 * kk + 1];
                 const float pv[4][2] = {{pa[0], pa[1]}, {pa[2], pa[3]}, {pb[0], pb[1]}, {pb[2], pb[3]}};
 #pragma unroll
-                for (int i = 0; i < 4; ++i) f16_split2(pv[i][0], pv[i][1], ph[i], pl[i]);
+                for (int i = 0; i < 4; ++i) f16_split2_unit(pv[i][0], pv[i][1], ph[i], pl[i]);
 #pragma unroll
                 for (int n2 = 0; n2 < NO / 2; ++n2) {
                     u32 b[4];  // dims n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
