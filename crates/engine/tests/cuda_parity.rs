@@ -679,7 +679,15 @@ fn attention_matches_at_short_and_long_contexts() {
         rotary_dim: 64,
         rope_theta: 1e7,
     };
-    for sh in [ATTN, small, mid, wide] {
+    // Head dim 512, which the split-K kernels serve at every length (no flash-attention tile).
+    let deep = AttnShape {
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 512,
+        rotary_dim: 64,
+        rope_theta: 1e7,
+    };
+    for sh in [ATTN, small, mid, wide, deep] {
         let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
         // Prefill 9 (split-K), decode 1, a long chunk (flash attention: past the cache's first
         // capacity, partial tiles at both ends), a chunk of 70 after 1,311 positions, then
