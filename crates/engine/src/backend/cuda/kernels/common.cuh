@@ -295,15 +295,6 @@ __device__ __forceinline__ void tf32_split_a(u32 ah[4], u32 al[4], const float* 
     tf32_split(a[4], ah[2], al[2]);
     tf32_split(a[8 * ld + 4], ah[3], al[3]);
 }
-// A from a [k][m] tile (A = its transpose).
-__device__ __forceinline__ void tf32_split_a_km(u32 ah[4], u32 al[4], const float* tile, int ld) {
-    const int l = threadIdx.x & 31;
-    const float* a = tile + (l & 3) * ld + (l >> 2);
-    tf32_split(a[0], ah[0], al[0]);
-    tf32_split(a[8], ah[1], al[1]);
-    tf32_split(a[4 * ld], ah[2], al[2]);
-    tf32_split(a[4 * ld + 8], ah[3], al[3]);
-}
 __device__ __forceinline__ void tf32_split_b_nk(u32 bh[2], u32 bl[2], const float* tile, int ld) {
     const int l = threadIdx.x & 31;
     const float* b = tile + (l >> 2) * ld + (l & 3);

@@ -652,16 +652,16 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 // with 256 threads, 2 blocks per SM and gemv_smem_bytes(hidden) of shared memory. The kernels
 // take moe_gate_up's arguments (top_k unused: one token's pairs are its top k).
 //
-// With `logits` (the router's `experts` logits, at most 32 * KEYS), the token is routed here
-// rather than by the router product: every block's first warp routes it (route_token, into shared
-// memory) right after the wait, and the last block writes the choice to `ids` and `weights` for
-// the kernels after (only it computes the weights). The router product then ends with its last
-// row: routing in its last block (a ticket, a fence and a reload of the logits from L2 first) held
-// the whole expert block back longer (docs/performance.md, session 17). Routing in every block costs no more than reading the
-// ids. A kernel for each KEYS (up to 256 experts, up to 512): with both routings in one, its code
-// was 94 KB against 56, and its warps waited for instructions 10.6% of their cycles (Nsight
-// Compute, session 18). With `ids_ready`, the last block flags the ids to the down kernel once
-// they are written (flagged_expert, below).
+// With `logits` (the router's `experts` logits, at most 32 * KEYS), the token is routed here rather
+// than by the router product: every block's first warp routes it (route_token, into shared memory)
+// right after the wait, and the last block writes the choice to `ids` and `weights` for the kernels
+// after (only it computes the weights). The router product then ends with its last row: routing in
+// its last block (a ticket, a fence and a reload of the logits from L2 first) held the whole expert
+// block back longer (docs/performance.md, session 17). Routing in every block costs no more than
+// reading the ids. A kernel for each KEYS (up to 256 experts, up to 512): with both routings in
+// one, its code was 94 KB against 56, and its warps waited for instructions 10.6% of their cycles
+// (Nsight Compute, session 18). With `ids_ready`, the last block flags the ids to the down kernel
+// once they are written (flagged_expert, below).
 template <int BITS, int KEYS>
 __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
                                                    const float* x, float* act, int pairs, int inter, int inter_s,
@@ -754,13 +754,13 @@ MOE_GATE_UP_STREAM(q4_moe_gate_up_stream_e512, 4, 16)
 MOE_GATE_UP_STREAM(q8_moe_gate_up_stream_e512, 8, 16)
 
 // One token's routed expert ids handed from the gate/up kernel (moe_gate_up_stream) to the down
-// kernel before the gate/up kernel has finished: its last block sets ids_ready[0] (release) once
-// it has written the ids, and each routed block of the down kernel reads the flag (acquire) and
-// its expert's id, then loads its weights before its wait for the gate/up outputs. The routed
-// blocks count themselves in ids_ready[1]; the last to read clears both words, so the flag is
-// zero between launches. The flag is set before its block lets the down kernel launch
-// (pdl_launch_dependents, which the down kernel waits for from every gate/up block), so the wait
-// is short and cannot hang. The weights then load during the gate/up kernel's last rows: decode +1.6-2.6%
+// kernel before the gate/up kernel has finished: its last block sets ids_ready[0] (release) once it
+// has written the ids, and each routed block of the down kernel reads the flag (acquire) and its
+// expert's id, then loads its weights before its wait for the gate/up outputs. The routed blocks
+// count themselves in ids_ready[1]; the last to read clears both words, so the flag is zero between
+// launches. The flag is set before its block lets the down kernel launch (pdl_launch_dependents,
+// which the down kernel waits for from every gate/up block), so the wait is short and cannot hang.
+// The weights then load during the gate/up kernel's last rows: decode +1.6-2.6%
 // (docs/performance.md, session 20).
 // Pair p's expert, once the flag is set. Every thread of the down kernel's routed blocks calls
 // it; `readers` is the number of those blocks.
