@@ -340,6 +340,9 @@ struct Kernels {
     /// Flash attention for prefill, head dims 64, 128, 256; `None` where the device cannot
     /// give a block the shared memory it needs (the split-K kernels serve instead).
     attention_prefill: [Option<CudaFunction>; 3],
+    /// Its form on Hopper's warpgroup products (sm_90a; `LILY_CUDA_FA=mma` keeps the kernels
+    /// above, for comparison); `None` elsewhere.
+    attention_prefill_wg: [Option<CudaFunction>; 3],
 }
 
 /// The two kernels of the chunked GDN recurrence (kernels/gdn.cu).
@@ -494,6 +497,14 @@ impl Kernels {
                 allow_dynamic_smem(&func, fa_smem_bytes(d)).ok()?;
                 Some(func)
             }),
+            attention_prefill_wg: [64, 128, 256].map(|d| {
+                if dev.arch != "sm_90a" || std::env::var("LILY_CUDA_FA").is_ok_and(|v| v == "mma") {
+                    return None;
+                }
+                let func = f("attention", &format!("attention_prefill_wg_d{d}")).ok()?;
+                allow_dynamic_smem(&func, fa_wg_smem_bytes(d)).ok()?;
+                Some(func)
+            }),
         })
     }
 }
@@ -516,6 +527,12 @@ fn allow_dynamic_smem(func: &CudaFunction, bytes: usize) -> Result<()> {
 /// traps if a launch gives it less).
 fn fa_smem_bytes(d: usize) -> usize {
     2 * (2 * FA_QUERIES * (d + 8) + 2 * FA_KEYS * (d + 8))
+}
+
+/// Dynamic shared memory of its warpgroup form (`fa_wg_smem_bytes`: the same tiles unpadded in
+/// the 128-byte swizzle, and 1,024 bytes to align them).
+fn fa_wg_smem_bytes(d: usize) -> usize {
+    2 * (2 * FA_QUERIES * d + 2 * FA_KEYS * d) + 1024
 }
 
 /// Tokens per chunk of the chunked GDN recurrence (`GDN_C`, kernels/gdn.cu) and state rows per
@@ -2175,16 +2192,25 @@ impl CudaBackend {
         if t == 0 {
             return Ok(out);
         }
+        let warpgroup = self
+            .k
+            .attention_prefill_wg
+            .get(variant)
+            .and_then(|f| f.as_ref());
         if t >= FA_MIN_TOKENS
-            && let Some(Some(attention_prefill)) = self.k.attention_prefill.get(variant)
+            && let Some(Some(mma)) = self.k.attention_prefill.get(variant)
         {
+            let (attention_prefill, smem) = match warpgroup {
+                Some(wg) => (wg, fa_wg_smem_bytes(d)),
+                None => (mma, fa_smem_bytes(d)),
+            };
             launch!(
                 self,
                 attention_prefill,
                 cfg(
                     ((t as u32).div_ceil(FA_QUERIES as u32), h as u32),
                     256,
-                    fa_smem_bytes(d)
+                    smem
                 ),
                 [
                     self.ptr(&q.buf),

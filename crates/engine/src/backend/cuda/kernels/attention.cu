@@ -440,19 +440,125 @@ constexpr int FA_THREADS = 256;
 
 __host__ __device__ constexpr int fa_smem_bytes(int d) { return 2 * (2 * FA_BQ * (d + 8) + 2 * FA_BK * (d + 8)); }
 
-// Rows [row0, row0 + rows) of a cache [*, ld], D columns from col0, into a tile [rows][D + 8] by
-// cp.async; rows at or past `valid` are zero.
-template <int D>
+// Rows [row0, row0 + rows) of a cache [*, ld], D columns from col0, into a tile by cp.async, value
+// (r, c) at element at(r, c); rows at or past `valid` are zero.
+template <int D, class At>
 __device__ __forceinline__ void fa_fetch(u16* tile, const u16* src, size_t ld, int col0, int row0, int rows,
-                                         int valid) {
+                                         int valid, At at) {
     constexpr int D8 = D / 8;
     for (int i = threadIdx.x; i < rows * D8; i += FA_THREADS) {
         const int r = i / D8, c = (i % D8) * 8;
-        u16* dst = tile + r * (D + 8) + c;
+        u16* dst = tile + at(r, c);
         if (row0 + r < valid) cp_async16(dst, src + (size_t)(row0 + r) * ld + col0 + c);
         else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
     }
     cp_async_commit();
+}
+
+// The block's 128 queries of head h from row t0 of q, scaled by log2(e) / sqrt(D) (exp2 below)
+// and split in f16 hi and lo, value (r, c) at element at(r, c) of qh and ql.
+template <int D, class At>
+__device__ __forceinline__ void fa_stage_q(const float* __restrict__ q, u16* qh, u16* ql, int t0, int tokens,
+                                           size_t qld, int h, At at) {
+    const float scale = rsqrtf((float)D) * 1.4426950408889634f;
+    constexpr int D4 = D / 4;
+    for (int i = threadIdx.x; i < FA_BQ * D4; i += FA_THREADS) {
+        const int r = i / D4, c = (i % D4) * 4;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t0 + r < tokens) x = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * qld + h * D + c);
+        uint2 hb, lb;
+        f16_split2(x.x * scale, x.y * scale, hb.x, lb.x);
+        f16_split2(x.z * scale, x.w * scale, hb.y, lb.y);
+        *reinterpret_cast<uint2*>(qh + at(r, c)) = hb;
+        *reinterpret_cast<uint2*>(ql + at(r, c)) = lb;
+    }
+}
+
+// The online softmax of the tile of keys from k0 for this thread's two rows (qpos0, qpos1: rows
+// gq and gq + 8 of its warp's 16, each row's 64 scores spread over the four lanes of a quad),
+// the scores p becoming the probabilities in place: the causal mask (only on the tiles that reach
+// past the warp's first query or the cache: most tiles of a long context need none), the running
+// maxima m and sums l, and O rescaled. Once the maxima settle most tiles leave them as they are:
+// the rescale (a multiply by exactly 1 then) is skipped unless one of the warp's rows grew.
+template <int NK, int NO>
+__device__ __forceinline__ void fa_softmax(float (&p)[NK][4], float (&acc)[NO][4], float (&m)[2], float (&l)[2],
+                                           int k0, int warp_first, int qpos0, int qpos1, int keys, int cq) {
+    if (k0 + NK * 8 - 1 > warp_first || k0 + NK * 8 > keys) {
+#pragma unroll
+        for (int n = 0; n < NK; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + n * 8 + 2 * cq + (e & 1);
+                if (key > ((e >> 1) ? qpos1 : qpos0) || key >= keys) p[n][e] = NEG_INF;
+            }
+    }
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int n = 0; n < NK; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], p[n][e]);
+    float base[2], corr[2];  // base: the maxima, 0 for a row with no key yet (-inf - -inf is NaN)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float mn = fmaxf(m[i], mx[i]);
+        corr[i] = mn == NEG_INF ? 1.f : exp2_ftz(m[i] - mn);
+        m[i] = mn;
+        base[i] = mn == NEG_INF ? 0.f : mn;
+        l[i] *= corr[i];
+    }
+#pragma unroll
+    for (int n = 0; n < NK; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            p[n][e] = exp2_ftz(p[n][e] - base[e >> 1]);  // masked: 2^-inf = 0
+            l[e >> 1] += p[n][e];
+        }
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            acc[n][0] *= corr[0];
+            acc[n][1] *= corr[0];
+            acc[n][2] *= corr[1];
+            acc[n][3] *= corr[1];
+        }
+    }
+}
+
+// P's f16 hi and lo parts for keys 16 kk .. 16 kk + 15: the scores' accumulator layout is the
+// A-fragment layout of the next product.
+template <int NK>
+__device__ __forceinline__ void fa_split_p(const float (&p)[NK][4], int kk, u32 (&ph)[4], u32 (&pl)[4]) {
+    const float* pa = p[2 * kk];
+    const float* pb = p[2 * kk + 1];
+    f16_split2_unit(pa[0], pa[1], ph[0], pl[0]);
+    f16_split2_unit(pa[2], pa[3], ph[1], pl[1]);
+    f16_split2_unit(pb[0], pb[1], ph[2], pl[2]);
+    f16_split2_unit(pb[2], pb[3], ph[3], pl[3]);
+}
+
+// O / l into o's rows r0 and r0 + 8 (those before `tokens`), head columns from col0.
+template <int NO>
+__device__ __forceinline__ void fa_store(const float (&acc)[NO][4], float (&l)[2], float* __restrict__ o, int r0,
+                                         int tokens, size_t qld, int col0, int cq) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+        const int col = col0 + n * 8 + 2 * cq;
+        if (r0 < tokens) {
+            o[(size_t)r0 * qld + col] = acc[n][0] / l[0];
+            o[(size_t)r0 * qld + col + 1] = acc[n][1] / l[0];
+        }
+        if (r0 + 8 < tokens) {
+            o[(size_t)(r0 + 8) * qld + col] = acc[n][2] / l[1];
+            o[(size_t)(r0 + 8) * qld + col + 1] = acc[n][3] / l[1];
+        }
+    }
 }
 
 // q [T, H*D] at positions pos0.., the caches [keys, KVH*D] holding positions
@@ -480,23 +586,10 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     const size_t qld = (size_t)heads * D, kld = (size_t)kv_heads * D;
     const int keys = pos0 + tokens;
     const int last = min(pos0 + t0 + FA_BQ, keys);  // keys [0, last) can be seen by the block
-    fa_fetch<D>(kt, k, kld, kvh * D, 0, FA_BK, keys);
-    fa_fetch<D>(vt, v, kld, kvh * D, 0, FA_BK, keys);
-    // Q, scaled by log2(e) / sqrt(D), split while the first tiles arrive.
-    {
-        const float scale = rsqrtf((float)D) * 1.4426950408889634f;  // and log2(e): exp2 below
-        constexpr int D4 = D / 4;
-        for (int i = tid; i < FA_BQ * D4; i += FA_THREADS) {
-            const int r = i / D4, c = (i % D4) * 4;
-            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (t0 + r < tokens) x = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * qld + h * D + c);
-            uint2 hb, lb;
-            f16_split2(x.x * scale, x.y * scale, hb.x, lb.x);
-            f16_split2(x.z * scale, x.w * scale, hb.y, lb.y);
-            *reinterpret_cast<uint2*>(qh + r * LD + c) = hb;
-            *reinterpret_cast<uint2*>(ql + r * LD + c) = lb;
-        }
-    }
+    const auto padded = [](int r, int c) { return r * LD + c; };
+    fa_fetch<D>(kt, k, kld, kvh * D, 0, FA_BK, keys, padded);
+    fa_fetch<D>(vt, v, kld, kvh * D, 0, FA_BK, keys, padded);
+    fa_stage_q<D>(q, qh, ql, t0, tokens, qld, h, padded);  // while the first tiles arrive
     // This thread's two query rows (fragment rows gq and gq + 8 of the warp's 16).
     const int qpos0 = pos0 + t0 + warp * 16 + gq, qpos1 = qpos0 + 8;
     // Warps whose rows all precede a tile's first key skip its products.
@@ -535,71 +628,17 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
             }
         }
         __syncthreads();  // every warp is done with this K tile
-        if (more) fa_fetch<D>(kt, k, kld, kvh * D, k0 + FA_BK, FA_BK, keys);
-        float (&p)[NK][4] = s;  // the scores become the probabilities in place
-        float corr[2] = {1.f, 1.f};
-        if (active) {
-            // Causal mask (only on the tiles that reach past the warp's first query or the
-            // cache: most tiles of a long context need none), then the online softmax per row
-            // (the row's 64 scores are spread over the four lanes of a quad).
-            if (k0 + FA_BK - 1 > warp_first || k0 + FA_BK > keys) {
-#pragma unroll
-                for (int n = 0; n < NK; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = k0 + n * 8 + 2 * cq + (e & 1);
-                        if (key > ((e >> 1) ? qpos1 : qpos0) || key >= keys) p[n][e] = NEG_INF;
-                    }
-            }
-            float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-            for (int n = 0; n < NK; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], p[n][e]);
-            float base[2];  // the maxima, 0 for a row with no key yet (-inf - -inf would be NaN)
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-                const float mn = fmaxf(m[i], mx[i]);
-                corr[i] = mn == NEG_INF ? 1.f : exp2_ftz(m[i] - mn);
-                m[i] = mn;
-                base[i] = mn == NEG_INF ? 0.f : mn;
-                l[i] *= corr[i];
-            }
-#pragma unroll
-            for (int n = 0; n < NK; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    p[n][e] = exp2_ftz(p[n][e] - base[e >> 1]);  // masked: 2^-inf = 0
-                    l[e >> 1] += p[n][e];
-                }
-            // Once the rows' maxima settle most tiles leave them as they are: the rescale (a
-            // multiply by exactly 1 then) is skipped unless one of the warp's rows grew.
-            if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
-#pragma unroll
-                for (int n = 0; n < NO; ++n) {
-                    acc[n][0] *= corr[0];
-                    acc[n][1] *= corr[0];
-                    acc[n][2] *= corr[1];
-                    acc[n][3] *= corr[1];
-                }
-            }
-        }
+        if (more) fa_fetch<D>(kt, k, kld, kvh * D, k0 + FA_BK, FA_BK, keys, padded);
+        if (active) fa_softmax(s, acc, m, l, k0, warp_first, qpos0, qpos1, keys, cq);
         if (more) cp_async_wait_one();  // V of this tile (the next K may still be on its way)
         else cp_async_wait_all();
         __syncthreads();
         if (active) {
-            // O += P V: P's accumulator layout is the A-fragment layout of the next product; V's
-            // fragments come transposed from its key-major tile.
+            // O += P V, V's fragments transposed from its key-major tile.
 #pragma unroll
             for (int kk = 0; kk < NK / 2; ++kk) {
                 u32 ph[4], pl[4];
-                const float* pa = p[2 * kk];
-                const float* pb = p[2 * kk + 1];
-                const float pv[4][2] = {{pa[0], pa[1]}, {pa[2], pa[3]}, {pb[0], pb[1]}, {pb[2], pb[3]}};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) f16_split2_unit(pv[i][0], pv[i][1], ph[i], pl[i]);
+                fa_split_p(s, kk, ph, pl);
 #pragma unroll
                 for (int n2 = 0; n2 < NO / 2; ++n2) {
                     u32 b[4];  // dims n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
@@ -614,26 +653,9 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
             }
         }
         __syncthreads();  // every warp is done with this V tile
-        if (more) fa_fetch<D>(vt, v, kld, kvh * D, k0 + FA_BK, FA_BK, keys);
+        if (more) fa_fetch<D>(vt, v, kld, kvh * D, k0 + FA_BK, FA_BK, keys, padded);
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-    }
-    const int r0 = t0 + warp * 16 + gq;
-#pragma unroll
-    for (int n = 0; n < NO; ++n) {
-        const int col = h * D + n * 8 + 2 * cq;
-        if (r0 < tokens) {
-            o[(size_t)r0 * qld + col] = acc[n][0] / l[0];
-            o[(size_t)r0 * qld + col + 1] = acc[n][1] / l[0];
-        }
-        if (r0 + 8 < tokens) {
-            o[(size_t)(r0 + 8) * qld + col] = acc[n][2] / l[1];
-            o[(size_t)(r0 + 8) * qld + col + 1] = acc[n][3] / l[1];
-        }
-    }
+    fa_store(acc, l, o, t0 + warp * 16 + gq, tokens, qld, h * D, cq);
 }
 
 #define ATTENTION_PREFILL(D)                                                                                   \
@@ -647,3 +669,163 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
 ATTENTION_PREFILL(64)
 ATTENTION_PREFILL(128)
 ATTENTION_PREFILL(256)
+
+// ---- prefill on Hopper's warpgroup products (sm_90a).
+//
+// The kernel above with its two products on wgmma: the same blocks (128 queries of one head, 8
+// warps), tiles of 64 keys, barriers, online softmax and split numerics, each of the two
+// warpgroups multiplying its 64 queries. S = Q K^T (m64n64k16, 32 products a tile: Q's hi and lo
+// parts times K for each 16 of the D columns) reads Q and K from shared memory, and O += P V
+// (m64n64k16 for each 64 of the D columns and 16 keys, P's hi and lo parts) takes P from the
+// registers its softmax left and reads V as an N-major operand: the tensor cores fetch the tiles
+// themselves, with no fragment loads by the warps (the mma.sync kernel spends 76 ldmatrix a warp a
+// tile), and at up to twice mma.sync's rate. Tiles are stored with the 128-byte swizzle: 64
+// columns a 128-byte row, its 16-byte chunk c at c ^ (row & 7), the next 64 columns after all the
+// rows (sw128_at). Shared memory: Q hi/lo [128][D], K and V [64][D]: 193 KiB at D = 256 with the
+// alignment.
+__host__ __device__ constexpr int fa_wg_smem_bytes(int d) { return 2 * (2 * FA_BQ * d + 2 * FA_BK * d) + 1024; }
+
+// Element offset of value (r, c) of a tile of `rows` rows in the 128-byte swizzle.
+__device__ __forceinline__ int sw128_at(int r, int c, int rows) {
+    return (c >> 6) * rows * 64 + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// d (+)= a * b over 64 rows x 64 columns x 16: a and b K-major, by descriptor.
+__device__ __forceinline__ void wgmma_ss_f16(float (&d)[32], u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %34, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate)
+        : "memory");
+}
+// d += a * b over 64 rows x 64 columns x 16: a in registers (the m16n8k16 A fragment of the
+// warp's 16 rows), b N-major by descriptor.
+__device__ __forceinline__ void wgmma_rs_f16_nmajor(float (&d)[32], const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
+        : "memory");
+}
+
+// As attention_prefill_impl; launch with fa_wg_smem_bytes(D) bytes of dynamic shared memory.
+template <int D>
+__device__ __forceinline__ void attention_prefill_wg_impl(const float* __restrict__ q, const u16* __restrict__ k,
+                                                          const u16* __restrict__ v, float* __restrict__ o,
+                                                          int tokens, int heads, int kv_heads, int pos0) {
+    constexpr int NO = D / 8, NK = FA_BK / 8;
+    extern __shared__ __align__(16) unsigned char fa_wg_raw[];
+    require_dynamic_smem(fa_wg_smem_bytes(D));
+    u16* qh = reinterpret_cast<u16*>(fa_wg_raw + ((1024 - (smem_addr(fa_wg_raw) & 1023)) & 1023));
+    u16* ql = qh + FA_BQ * D;
+    u16* kt = ql + FA_BQ * D;
+    u16* vt = kt + FA_BK * D;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, cq = lane & 3, wg = warp >> 2;
+    const int order = blockIdx.x + gridDim.x * blockIdx.y;
+    const int t0 = (gridDim.x - 1 - order / heads) * FA_BQ, h = order % heads, kvh = h / (heads / kv_heads);
+    const size_t qld = (size_t)heads * D, kld = (size_t)kv_heads * D;
+    const int keys = pos0 + tokens;
+    const int last = min(pos0 + t0 + FA_BQ, keys);
+    const auto tile_at = [](int r, int c) { return sw128_at(r, c, FA_BK); };
+    fa_fetch<D>(kt, k, kld, kvh * D, 0, FA_BK, keys, tile_at);
+    fa_fetch<D>(vt, v, kld, kvh * D, 0, FA_BK, keys, tile_at);
+    fa_stage_q<D>(q, qh, ql, t0, tokens, qld, h, [](int r, int c) { return sw128_at(r, c, FA_BQ); });
+    const int qpos0 = pos0 + t0 + warp * 16 + gq, qpos1 = qpos0 + 8;
+    const int warp_first = pos0 + t0 + warp * 16;
+    // The products are the warpgroup's together: it skips a tile only if all its 64 rows precede
+    // the tile's first key.
+    const int group_last = pos0 + t0 + wg * 64 + 63;
+    // Q's rows of this warpgroup, K and V tiles, 16 columns (Q, K) or keys (V) a k-step. V is the
+    // B operand N-major: its 8-key groups lie 1,024 bytes apart (the stride); the leading offset,
+    // between 64-column blocks, is unused by a 64-column product.
+    const auto q_desc = [&](const u16* part, int ks) {
+        return smem_desc_sw128(part + (ks >> 2) * FA_BQ * 64 + wg * 64 * 64 + (ks & 3) * 16, 1024);
+    };
+    const auto k_desc = [&](int ks) { return smem_desc_sw128(kt + (ks >> 2) * FA_BK * 64 + (ks & 3) * 16, 1024); };
+    const auto v_desc = [&](int b, int kk) { return smem_desc_sw128(vt + b * FA_BK * 64 + kk * 16 * 64, 1024); };
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float acc[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    for (int k0 = 0; k0 < last; k0 += FA_BK) {
+        const bool more = k0 + FA_BK < last;
+        cp_async_wait_one();  // K of this tile (V may still be on its way)
+        fence_proxy_async();  // what this thread saw land (and Q, and zero rows) before the tensor cores read it
+        __syncthreads();
+        const bool active = k0 <= group_last;
+        float s[NK][4];
+        if (active) {
+            float(&sf)[NK * 4] = reinterpret_cast<float(&)[NK * 4]>(s);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                wgmma_ss_f16(sf, q_desc(qh, ks), k_desc(ks), ks > 0);
+                wgmma_ss_f16(sf, q_desc(ql, ks), k_desc(ks), 1);
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            wgmma_hold(sf);
+        }
+        __syncthreads();  // every warpgroup is done with this K tile
+        if (more) fa_fetch<D>(kt, k, kld, kvh * D, k0 + FA_BK, FA_BK, keys, tile_at);
+        u32 ph[NK / 2][4], pl[NK / 2][4];
+        if (active) {
+            fa_softmax(s, acc, m, l, k0, warp_first, qpos0, qpos1, keys, cq);
+#pragma unroll
+            for (int kk = 0; kk < NK / 2; ++kk) fa_split_p(s, kk, ph[kk], pl[kk]);
+        }
+        if (more) cp_async_wait_one();  // V of this tile (the next K may still be on its way)
+        else cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();
+        if (active) {
+            wgmma_fence();  // after the rescale of acc
+#pragma unroll
+            for (int b = 0; b < D / 64; ++b) {
+                float(&ab)[32] = reinterpret_cast<float(&)[32]>(acc[8 * b]);
+#pragma unroll
+                for (int kk = 0; kk < NK / 2; ++kk) {
+                    wgmma_rs_f16_nmajor(ab, pl[kk], v_desc(b, kk));
+                    wgmma_rs_f16_nmajor(ab, ph[kk], v_desc(b, kk));
+                }
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+#pragma unroll
+            for (int b = 0; b < D / 64; ++b) wgmma_hold(reinterpret_cast<float(&)[32]>(acc[8 * b]));
+        }
+        __syncthreads();  // every warpgroup is done with this V tile
+        if (more) fa_fetch<D>(vt, v, kld, kvh * D, k0 + FA_BK, FA_BK, keys, tile_at);
+    }
+    fa_store(acc, l, o, t0 + warp * 16 + gq, tokens, qld, h * D, cq);
+}
+
+#define ATTENTION_PREFILL_WG(D)                                                                                \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                  \
+        attention_prefill_wg_d##D(const float* q, const u16* k, const u16* v, float* o, int tokens, int heads, \
+                                  int kv_heads, int pos0) {                                                    \
+        grid_dep();                                                                                            \
+        attention_prefill_wg_impl<D>(q, k, v, o, tokens, heads, kv_heads, pos0);                               \
+    }
+ATTENTION_PREFILL_WG(64)
+ATTENTION_PREFILL_WG(128)
+ATTENTION_PREFILL_WG(256)
+#endif

@@ -145,6 +145,51 @@ __device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
 // All but the most recently committed group have landed.
 __device__ __forceinline__ void cp_async_wait_one() { cp_async_wait<1>(); }
 
+// ---- Hopper (sm_90a): warpgroup products, mbarriers.
+
+// Shared-memory descriptor of a wgmma operand stored with the 128-byte swizzle (64 16-bit values
+// a 128-byte row, its 16-byte chunk c at chunk c ^ (row & 7), from a 1,024-byte aligned base):
+// the start address, the leading-dimension offset `lbo` (bytes), the stride between groups of 8
+// rows (1,024 bytes), each in units of 16 bytes, and the swizzle mode. The hardware applies the
+// swizzle to the addresses it forms, so the start may move inside the aligned rows.
+__device__ __forceinline__ u64 smem_desc_sw128(const void* start, u32 lbo) {
+    return (u64)((smem_addr(start) & 0x3ffffu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
+           ((u64)1 << 62);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Keeps the compiler from moving register reads and writes of d across the asynchronous product.
+template <int M>
+__device__ __forceinline__ void wgmma_hold(float (&d)[M]) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Orders the shared-memory data this thread has seen land (cp.async copies, through an mbarrier)
+// before the tensor cores' reads of it (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void mbar_init(u64* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// One arrival, once every cp.async this thread has issued so far has landed.
+__device__ __forceinline__ void mbar_arrive_copies(u64* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(smem_addr(bar)) : "memory");
+}
+// Returns once the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(u64* bar, int parity) {
+    asm volatile(
+        "{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; @!done bra WAIT; }" ::"r"(
+            smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+#endif
+
 // ---- tensor cores (sm_80+): bf16 inputs, f32 accumulators.
 
 // Round to nearest even (finite values; infinities and NaN keep their class).

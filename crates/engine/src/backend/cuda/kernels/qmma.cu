@@ -348,10 +348,7 @@ __device__ __forceinline__ int wg_chunk(int r, int c) {
 // distance between 8-slot blocks (1,024 bytes), each in units of 16 bytes, and the swizzle mode.
 // The start moves 32 bytes a step inside the 1,024-byte aligned rows; the hardware applies the
 // swizzle to the addresses it forms.
-__device__ __forceinline__ u64 wg_desc(const u16* part, int kk) {
-    return (u64)((smem_addr(part + kk * 16) & 0x3ffffu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) |
-           ((u64)1 << 62);
-}
+__device__ __forceinline__ u64 wg_desc(const u16* part, int kk) { return smem_desc_sw128(part + kk * 16, 16); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // d (+)= a * b over 64 rows x N slots x 16 columns: a in registers (the m16n8k16 A fragment of
@@ -380,36 +377,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)
-        : "memory");
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// Keeps the compiler from moving register reads and writes of d across the asynchronous product.
-template <int M>
-__device__ __forceinline__ void wgmma_hold(float (&d)[M]) {
-#pragma unroll
-    for (int i = 0; i < M; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-// Orders the shared-memory data this thread has seen land (cp.async copies, through an mbarrier)
-// before the tensor cores' reads of it (the async proxy).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void mbar_init(u64* bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-// One arrival, once every cp.async this thread has issued so far has landed.
-__device__ __forceinline__ void mbar_arrive_copies(u64* bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(smem_addr(bar)) : "memory");
-}
-// Returns once the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(u64* bar, int parity) {
-    asm volatile(
-        "{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; @!done bra WAIT; }" ::"r"(
-            smem_addr(bar)),
-        "r"(parity)
         : "memory");
 }
 #endif
