@@ -433,7 +433,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
 // makes each warp's fragment loads hit 32 different banks): 198 KiB at D = 256, one block per SM.
 // Tiles of 64 keys halve the barriers and the reloads of Q's fragments a key against 32 (prefill
 // +6% at 32,768 tokens, +12% at 131,072: session 22). Splitting the head dims over pairs of warps
-// (16 warps a block) was slower at long contexts: each pair ran the softmax twice.
+// (16 warps a block) was slower at long contexts: each pair ran the softmax twice, and so was a
+// ping-pong of two 4-warp groups on 32-key tiles (session 23). This kernel serves sm_80 to sm_89;
+// on sm_90a the wgmma form below takes its place.
 constexpr int FA_BQ = 128;
 constexpr int FA_BK = 64;
 constexpr int FA_THREADS = 256;
@@ -441,15 +443,20 @@ constexpr int FA_THREADS = 256;
 __host__ __device__ constexpr int fa_smem_bytes(int d) { return 2 * (2 * FA_BQ * (d + 8) + 2 * FA_BK * (d + 8)); }
 
 // Rows [row0, row0 + rows) of a cache [*, ld], D columns from col0, into a tile by cp.async, value
-// (r, c) at element at(r, c); rows at or past `valid` are zero.
+// (r, c) at element at(r, c); rows at or past `valid` are zero. Each thread copies one 8-column
+// chunk of every STEP-th row: at is linear in r for a fixed r & 7 (STEP is a multiple of 8), so
+// its addresses are one pointer and a stride, not a register each.
 template <int D, class At>
 __device__ __forceinline__ void fa_fetch(u16* tile, const u16* src, size_t ld, int col0, int row0, int rows,
                                          int valid, At at) {
-    constexpr int D8 = D / 8;
-    for (int i = threadIdx.x; i < rows * D8; i += FA_THREADS) {
-        const int r = i / D8, c = (i % D8) * 8;
-        u16* dst = tile + at(r, c);
-        if (row0 + r < valid) cp_async16(dst, src + (size_t)(row0 + r) * ld + col0 + c);
+    constexpr int D8 = D / 8, STEP = FA_THREADS / D8;
+    static_assert(STEP % 8 == 0, "fa_fetch: rows a pass must keep r & 7");
+    const int r0 = threadIdx.x / D8, c = (threadIdx.x % D8) * 8;
+    u16* dst = tile + at(r0, c);
+    const int stride = at(r0 + STEP, c) - at(r0, c);
+    const u16* from = src + (size_t)(row0 + r0) * ld + col0 + c;
+    for (int r = r0; r < rows; r += STEP, dst += stride, from += STEP * ld) {
+        if (row0 + r < valid) cp_async16(dst, from);
         else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
     }
     cp_async_commit();
@@ -682,7 +689,9 @@ ATTENTION_PREFILL(256)
 // tile), and at up to twice mma.sync's rate. Tiles are stored with the 128-byte swizzle: 64
 // columns a 128-byte row, its 16-byte chunk c at c ^ (row & 7), the next 64 columns after all the
 // rows (sw128_at). Shared memory: Q hi/lo [128][D], K and V [64][D]: 193 KiB at D = 256 with the
-// alignment.
+// alignment. Measured against the mma.sync kernel (docs/performance.md, session 23): prefill +13%
+// at 32,768 tokens, +33% at 131,072. Dropped: K in two slots with S(j + 1) issued before tile j's
+// softmax (225 KiB, 60 bytes of spills at D = 256: 3-7% slower than this form).
 __host__ __device__ constexpr int fa_wg_smem_bytes(int d) { return 2 * (2 * FA_BQ * d + 2 * FA_BK * d) + 1024; }
 
 // Element offset of value (r, c) of a tile of `rows` rows in the 128-byte swizzle.
@@ -784,18 +793,18 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
             wgmma_wait_all();
             wgmma_hold(sf);
         }
-        __syncthreads();  // every warpgroup is done with this K tile
-        if (more) fa_fetch<D>(kt, k, kld, kvh * D, k0 + FA_BK, FA_BK, keys, tile_at);
+        // No barrier here: a warpgroup whose scores are done starts its softmax while the other's
+        // products still run; K's next tile is fetched after the barrier below.
         u32 ph[NK / 2][4], pl[NK / 2][4];
         if (active) {
             fa_softmax(s, acc, m, l, k0, warp_first, qpos0, qpos1, keys, cq);
 #pragma unroll
             for (int kk = 0; kk < NK / 2; ++kk) fa_split_p(s, kk, ph[kk], pl[kk]);
         }
-        if (more) cp_async_wait_one();  // V of this tile (the next K may still be on its way)
-        else cp_async_wait_all();
+        cp_async_wait_all();  // V of this tile
         fence_proxy_async();
-        __syncthreads();
+        __syncthreads();  // V has landed; every warpgroup is done with this K tile
+        if (more) fa_fetch<D>(kt, k, kld, kvh * D, k0 + FA_BK, FA_BK, keys, tile_at);
         if (active) {
             wgmma_fence();  // after the rescale of acc
 #pragma unroll
