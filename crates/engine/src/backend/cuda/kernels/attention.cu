@@ -665,17 +665,18 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     fa_store(acc, l, o, t0 + warp * 16 + gq, tokens, qld, h * D, cq);
 }
 
-#define ATTENTION_PREFILL(D)                                                                                   \
+// The entry points of a flash-attention form: NAME_d64, NAME_d128, NAME_d256.
+#define ATTENTION_PREFILL_KERNEL(NAME, IMPL, D)                                                                \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                  \
-        attention_prefill_d##D(const float* q, const u16* k, const u16* v, float* o, int tokens, int heads,    \
-                               int kv_heads, int pos0) {                                                       \
+        NAME##_d##D(const float* q, const u16* k, const u16* v, float* o, int tokens, int heads, int kv_heads, \
+                    int pos0) {                                                                                \
         grid_dep();                                                                                            \
-        attention_prefill_impl<D>(q, k, v, o, tokens, heads, kv_heads, pos0);                                  \
+        IMPL<D>(q, k, v, o, tokens, heads, kv_heads, pos0);                                                    \
     }
 // Head dims 64, 128 and 256 (512 takes the split-K kernels: its tiles would not fit).
-ATTENTION_PREFILL(64)
-ATTENTION_PREFILL(128)
-ATTENTION_PREFILL(256)
+ATTENTION_PREFILL_KERNEL(attention_prefill, attention_prefill_impl, 64)
+ATTENTION_PREFILL_KERNEL(attention_prefill, attention_prefill_impl, 128)
+ATTENTION_PREFILL_KERNEL(attention_prefill, attention_prefill_impl, 256)
 
 // ---- prefill on Hopper's warpgroup products (sm_90a).
 //
@@ -748,7 +749,7 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
     u16* kt = ql + FA_BQ * D;
     u16* vt = kt + FA_BK * D;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, cq = lane & 3, wg = warp >> 2;
-    const int order = blockIdx.x + gridDim.x * blockIdx.y;
+    const int order = blockIdx.x + gridDim.x * blockIdx.y;  // heaviest first, as above
     const int t0 = (gridDim.x - 1 - order / heads) * FA_BQ, h = order % heads, kvh = h / (heads / kv_heads);
     const size_t qld = (size_t)heads * D, kld = (size_t)kv_heads * D;
     const int keys = pos0 + tokens;
@@ -827,14 +828,7 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
     fa_store(acc, l, o, t0 + warp * 16 + gq, tokens, qld, h * D, cq);
 }
 
-#define ATTENTION_PREFILL_WG(D)                                                                                \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                  \
-        attention_prefill_wg_d##D(const float* q, const u16* k, const u16* v, float* o, int tokens, int heads, \
-                                  int kv_heads, int pos0) {                                                    \
-        grid_dep();                                                                                            \
-        attention_prefill_wg_impl<D>(q, k, v, o, tokens, heads, kv_heads, pos0);                               \
-    }
-ATTENTION_PREFILL_WG(64)
-ATTENTION_PREFILL_WG(128)
-ATTENTION_PREFILL_WG(256)
+ATTENTION_PREFILL_KERNEL(attention_prefill_wg, attention_prefill_wg_impl, 64)
+ATTENTION_PREFILL_KERNEL(attention_prefill_wg, attention_prefill_wg_impl, 128)
+ATTENTION_PREFILL_KERNEL(attention_prefill_wg, attention_prefill_wg_impl, 256)
 #endif
