@@ -568,22 +568,6 @@ __device__ __forceinline__ void fa_store(const float (&acc)[NO][4], float (&l)[2
     }
 }
 
-// The block's place: queries [t0, t0 + 128) of head h (KV head kvh), keys [0, last) visible to
-// them. Blocks in launch order take the last queries first (they see the most keys, so the short
-// ones fill the tail of the grid), the heads of one block of queries side by side (those of a KV
-// head read the same tiles from L2 at about the same time).
-struct FaBlock {
-    int t0, h, kvh, keys, last;
-    size_t qld, kld;
-};
-template <int D>
-__device__ __forceinline__ FaBlock fa_block(int tokens, int heads, int kv_heads, int pos0) {
-    const int order = blockIdx.x + gridDim.x * blockIdx.y;
-    const int t0 = (gridDim.x - 1 - order / heads) * FA_BQ, h = order % heads;
-    return {t0, h, h / (heads / kv_heads), pos0 + tokens, min(pos0 + t0 + FA_BQ, pos0 + tokens),
-            (size_t)heads * D, (size_t)kv_heads * D};
-}
-
 // q [T, H*D] at positions pos0.., the caches [keys, KVH*D] holding positions
 // 0 .. pos0 + T - 1, o [T, H*D]. Launch with 256 threads, (ceil(T / 128), H) blocks and
 // fa_smem_bytes(D) bytes of dynamic shared memory.
@@ -601,9 +585,14 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     u16* kt = ql + FA_BQ * LD;
     u16* vt = kt + FA_BK * LD;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, cq = lane & 3;
-    const FaBlock fb = fa_block<D>(tokens, heads, kv_heads, pos0);
-    const int t0 = fb.t0, h = fb.h, kvh = fb.kvh, keys = fb.keys, last = fb.last;
-    const size_t qld = fb.qld, kld = fb.kld;
+    // Blocks in launch order take the last queries first (they see the most keys, so the short
+    // ones fill the tail of the grid), the heads of one block of queries side by side (those of
+    // a KV head read the same tiles from L2 at about the same time).
+    const int order = blockIdx.x + gridDim.x * blockIdx.y;
+    const int t0 = (gridDim.x - 1 - order / heads) * FA_BQ, h = order % heads, kvh = h / (heads / kv_heads);
+    const size_t qld = (size_t)heads * D, kld = (size_t)kv_heads * D;
+    const int keys = pos0 + tokens;
+    const int last = min(pos0 + t0 + FA_BQ, keys);  // keys [0, last) can be seen by the block
     const auto padded = [](int r, int c) { return r * LD + c; };
     fa_fetch<D>(kt, k, kld, kvh * D, 0, FA_BK, keys, padded);
     fa_fetch<D>(vt, v, kld, kvh * D, 0, FA_BK, keys, padded);
@@ -760,9 +749,11 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
     u16* kt = ql + FA_BQ * D;
     u16* vt = kt + FA_BK * D;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, cq = lane & 3, wg = warp >> 2;
-    const FaBlock fb = fa_block<D>(tokens, heads, kv_heads, pos0);
-    const int t0 = fb.t0, h = fb.h, kvh = fb.kvh, keys = fb.keys, last = fb.last;
-    const size_t qld = fb.qld, kld = fb.kld;
+    const int order = blockIdx.x + gridDim.x * blockIdx.y;  // heaviest first, as above
+    const int t0 = (gridDim.x - 1 - order / heads) * FA_BQ, h = order % heads, kvh = h / (heads / kv_heads);
+    const size_t qld = (size_t)heads * D, kld = (size_t)kv_heads * D;
+    const int keys = pos0 + tokens;
+    const int last = min(pos0 + t0 + FA_BQ, keys);
     const auto tile_at = [](int r, int c) { return sw128_at(r, c, FA_BK); };
     fa_fetch<D>(kt, k, kld, kvh * D, 0, FA_BK, keys, tile_at);
     fa_fetch<D>(vt, v, kld, kvh * D, 0, FA_BK, keys, tile_at);
