@@ -681,8 +681,9 @@ ATTENTION_PREFILL_KERNEL(attention_prefill, attention_prefill_impl, 256)
 // ---- prefill on Hopper's warpgroup products (sm_90a).
 //
 // The kernel above with its two products on wgmma: the same blocks (128 queries of one head, 8
-// warps), tiles of 64 keys, barriers, online softmax and split numerics, each of the two
-// warpgroups multiplying its 64 queries. S = Q K^T (m64n64k16, 32 products a tile: Q's hi and lo
+// warps), tiles of 64 keys, online softmax and split numerics, each of the two warpgroups
+// multiplying its 64 queries, and one block barrier fewer a tile (K's next tile is fetched at the
+// barrier before P V). S = Q K^T (m64n64k16, 32 products a tile: Q's hi and lo
 // parts times K for each 16 of the D columns) reads Q and K from shared memory, and O += P V
 // (m64n64k16 for each 64 of the D columns and 16 keys, P's hi and lo parts) takes P from the
 // registers its softmax left and reads V as an N-major operand: the tensor cores fetch the tiles
@@ -706,15 +707,9 @@ __device__ __forceinline__ void wgmma_ss_f16(float (&d)[32], u64 a, u64 b, int a
     asm volatile(
         "{ .reg .pred p; setp.ne.b32 p, %34, 0; "
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, "
-        "%8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, "
-        "%24, %25, %26, %27, %28, %29, %30, %31}, "
+        WGMMA_D32_REGS
         "%32, %33, p, 1, 1, 0, 0; }"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : WGMMA_D32_OPERANDS(d)
         : "l"(a), "l"(b), "r"(accumulate)
         : "memory");
 }
@@ -723,15 +718,9 @@ __device__ __forceinline__ void wgmma_ss_f16(float (&d)[32], u64 a, u64 b, int a
 __device__ __forceinline__ void wgmma_rs_f16_nmajor(float (&d)[32], const u32 (&a)[4], u64 b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, "
-        "%8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, "
-        "%24, %25, %26, %27, %28, %29, %30, %31}, "
+        WGMMA_D32_REGS
         "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : WGMMA_D32_OPERANDS(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
         : "memory");
 }
@@ -778,7 +767,7 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
     for (int k0 = 0; k0 < last; k0 += FA_BK) {
         const bool more = k0 + FA_BK < last;
         cp_async_wait_one();  // K of this tile (V may still be on its way)
-        fence_proxy_async();  // what this thread saw land (and Q, and zero rows) before the tensor cores read it
+        fence_proxy_async();  // what this thread saw land (and Q, zero rows) before the tensor cores read it
         __syncthreads();
         const bool active = k0 <= group_last;
         float s[NK][4];
