@@ -2192,18 +2192,19 @@ impl CudaBackend {
         if t == 0 {
             return Ok(out);
         }
-        let warpgroup = self
-            .k
-            .attention_prefill_wg
-            .get(variant)
-            .and_then(|f| f.as_ref());
+        // Flash attention: the warpgroup form where it was loaded, else the mma.sync one.
+        let flash = match self.k.attention_prefill_wg.get(variant) {
+            Some(Some(wg)) => Some((wg, fa_wg_smem_bytes(d))),
+            _ => self
+                .k
+                .attention_prefill
+                .get(variant)
+                .and_then(Option::as_ref)
+                .map(|f| (f, fa_smem_bytes(d))),
+        };
         if t >= FA_MIN_TOKENS
-            && let Some(Some(mma)) = self.k.attention_prefill.get(variant)
+            && let Some((attention_prefill, smem)) = flash
         {
-            let (attention_prefill, smem) = match warpgroup {
-                Some(wg) => (wg, fa_wg_smem_bytes(d)),
-                None => (mma, fa_smem_bytes(d)),
-            };
             launch!(
                 self,
                 attention_prefill,
