@@ -124,13 +124,23 @@ fn gpu_gemv(
 /// summation order differs.
 const TOL: f64 = 1e-9;
 
+/// The prefill flash attention's (chunks of 32 tokens or more, head dims up to 256): it rounds Q
+/// and the probabilities to f16 once each, as the cache rounds K and V, so each term of both
+/// products is off by up to 2^-11 (relative) and the output's normalised error stays near
+/// (2^-11)^2 / 3 (3e-8 measured); the tolerance is (2^-11)^2.
+const FLASH_TOL: f64 = 1.0 / (1u64 << 22) as f64;
+
 fn backends_or_skip(test: &str) -> Option<(CpuBackend, CudaBackend)> {
     cuda_or_skip(test).map(|g| (CpuBackend::new(0).expect("cpu pool"), g))
 }
 
 fn close(what: &str, got: &[f32], want: &[f32]) {
+    close_within(what, got, want, TOL);
+}
+
+fn close_within(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let err = nmse(got, want);
-    assert!(err < TOL, "{what}: nmse {err:e} (tolerance {TOL:e})");
+    assert!(err < tol, "{what}: nmse {err:e} (tolerance {tol:e})");
     let _ = writeln!(std::io::stderr(), "{what}: nmse {err:.1e}");
 }
 
@@ -692,7 +702,8 @@ fn attention_matches_at_short_and_long_contexts() {
         // Prefill 9 (split-K), decode 1, a long chunk (flash attention: past the cache's first
         // capacity, partial tiles at both ends), a chunk of 70 after 1,311 positions, then
         // decode steps at positions over 1,380.
-        let chunks: Vec<_> = [9, 1, 1300, 70, 1, 1]
+        let lens = [9, 1, 1300, 70, 1, 1];
+        let chunks: Vec<_> = lens
             .iter()
             .map(|&t| {
                 (
@@ -706,7 +717,10 @@ fn attention_matches_at_short_and_long_contexts() {
         let g = attention_on(&gpu, &sh, &norms, &chunks);
         let c = attention_on(&cpu, &sh, &norms, &chunks);
         for (i, (a, b)) in g.iter().zip(&c).enumerate() {
-            close(&format!("attention (H {h}, D {d}) output {i}"), a, b);
+            // Four outputs a chunk (q, gate, attention, gated attention), then the snapshot's.
+            let flash = i % 4 >= 2 && lens.get(i / 4).is_some_and(|&t| t >= 32) && d <= 256;
+            let tol = if flash { FLASH_TOL } else { TOL };
+            close_within(&format!("attention (H {h}, D {d}) output {i}"), a, b, tol);
         }
     }
 }

@@ -523,16 +523,16 @@ fn allow_dynamic_smem(func: &CudaFunction, bytes: usize) -> Result<()> {
 }
 
 /// Dynamic shared memory of the flash-attention prefill kernel for head dim `d`
-/// (`fa_smem_bytes`, kernels/attention.cu: Q's tile as f16 hi and lo, K's and V's; the kernel
-/// traps if a launch gives it less).
+/// (`fa_smem_bytes`, kernels/attention.cu: Q's, K's and V's f16 tiles; the kernel traps if a
+/// launch gives it less).
 fn fa_smem_bytes(d: usize) -> usize {
-    2 * (2 * FA_QUERIES * (d + 8) + 2 * FA_KEYS * (d + 8))
+    2 * (FA_QUERIES * (d + 8) + 2 * FA_KEYS * (d + 8))
 }
 
 /// Dynamic shared memory of its warpgroup form (`fa_wg_smem_bytes`: the same tiles unpadded in
 /// the 128-byte swizzle, and 1,024 bytes to align them).
 fn fa_wg_smem_bytes(d: usize) -> usize {
-    2 * (2 * FA_QUERIES * d + 2 * FA_KEYS * d) + 1024
+    2 * (FA_QUERIES * d + 2 * FA_KEYS * d) + 1024
 }
 
 /// Tokens per chunk of the chunked GDN recurrence (`GDN_C`, kernels/gdn.cu) and state rows per

@@ -424,13 +424,16 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
 // One block per (128 queries, query head): 8 warps, each owning 16 query rows. The block walks the
 // keys in tiles of 64 up to its last query's position, computing the scores S = Q K^T and then
 // O += P V with an online softmax (running max and sum per row, O rescaled only when a row's max
-// grows). Exactness: K and V are the cache's f16 values, exact as they are; Q and P are split in
-// two f16 parts (hi + lo: f16_split2, and f16_split2_unit for the probabilities) and each product
-// is taken as hi*K + lo*K with f32 accumulators, so the output stays within ~1e-10 (NMSE) of the
-// f32 reference on the same cache. The tiles arrive from the cache by cp.async: K tile j + 1 is
-// requested as soon as S of tile j is done, V tile j + 1 as soon as its P V is, each overlapping
-// the other's work. Shared memory (u16): Q hi/lo [128][D + 8], K and V [64][D + 8] (the pitch
-// makes each warp's fragment loads hit 32 different banks): 198 KiB at D = 256, one block per SM.
+// grows). Numerics: K and V are the cache's f16 values; Q (scaled) and P are rounded to f16 once
+// each, and both products accumulate in f32. Each rounding is the one the cache already gives K
+// and V (relative 2^-11), so it adds an error of the cache's own size: ~3e-8 (NMSE) from the f32
+// reference on the same cache (cuda_parity). Until session 24, Q and P were split in f16 hi + lo
+// parts, two products each (~1e-11): rounding them once made a 131,072-token prefill 21% faster
+// on wgmma, the goldens' worst |dlogit| 5.17e-4 -> 5.58e-4 (docs/performance.md). The tiles
+// arrive from the cache by cp.async: K tile j + 1 is requested as soon as S of tile j is done, V
+// tile j + 1 as soon as its P V is, each overlapping the other's work. Shared memory (u16): Q
+// [128][D + 8], K and V [64][D + 8] (the pitch makes each warp's fragment loads hit 32 different
+// banks): 132 KiB at D = 256, one block per SM.
 // Tiles of 64 keys halve the barriers and the reloads of Q's fragments a key against 32 (prefill
 // +6% at 32,768 tokens, +12% at 131,072: session 22). Splitting the head dims over pairs of warps
 // (16 warps a block) was slower at long contexts: each pair ran the softmax twice, and so was a
@@ -440,7 +443,7 @@ constexpr int FA_BQ = 128;
 constexpr int FA_BK = 64;
 constexpr int FA_THREADS = 256;
 
-__host__ __device__ constexpr int fa_smem_bytes(int d) { return 2 * (2 * FA_BQ * (d + 8) + 2 * FA_BK * (d + 8)); }
+__host__ __device__ constexpr int fa_smem_bytes(int d) { return 2 * (FA_BQ * (d + 8) + 2 * FA_BK * (d + 8)); }
 
 // Rows [row0, row0 + rows) of a cache [*, ld], D columns from col0, into a tile by cp.async, value
 // (r, c) at element at(r, c); rows at or past `valid` are zero. Each thread copies one 8-column
@@ -463,21 +466,18 @@ __device__ __forceinline__ void fa_fetch(u16* tile, const u16* src, size_t ld, i
 }
 
 // The block's 128 queries of head h from row t0 of q, scaled by log2(e) / sqrt(D) (exp2 below)
-// and split in f16 hi and lo, value (r, c) at element at(r, c) of qh and ql.
+// and rounded to f16, value (r, c) at element at(r, c) of qt.
 template <int D, class At>
-__device__ __forceinline__ void fa_stage_q(const float* __restrict__ q, u16* qh, u16* ql, int t0, int tokens,
-                                           size_t qld, int h, At at) {
+__device__ __forceinline__ void fa_stage_q(const float* __restrict__ q, u16* qt, int t0, int tokens, size_t qld,
+                                           int h, At at) {
     const float scale = rsqrtf((float)D) * 1.4426950408889634f;
     constexpr int D4 = D / 4;
     for (int i = threadIdx.x; i < FA_BQ * D4; i += FA_THREADS) {
         const int r = i / D4, c = (i % D4) * 4;
         float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
         if (t0 + r < tokens) x = *reinterpret_cast<const float4*>(q + (size_t)(t0 + r) * qld + h * D + c);
-        uint2 hb, lb;
-        f16_split2(x.x * scale, x.y * scale, hb.x, lb.x);
-        f16_split2(x.z * scale, x.w * scale, hb.y, lb.y);
-        *reinterpret_cast<uint2*>(qh + at(r, c)) = hb;
-        *reinterpret_cast<uint2*>(ql + at(r, c)) = lb;
+        *reinterpret_cast<uint2*>(qt + at(r, c)) =
+            make_uint2(f16x2_bits(x.x * scale, x.y * scale), f16x2_bits(x.z * scale, x.w * scale));
     }
 }
 
@@ -533,16 +533,16 @@ __device__ __forceinline__ void fa_softmax(float (&p)[NK][4], float (&acc)[NO][4
     }
 }
 
-// P's f16 hi and lo parts for keys 16 kk .. 16 kk + 15: the scores' accumulator layout is the
-// A-fragment layout of the next product.
+// P rounded to f16 for keys 16 kk .. 16 kk + 15: the scores' accumulator layout is the A-fragment
+// layout of the next product.
 template <int NK>
-__device__ __forceinline__ void fa_split_p(const float (&p)[NK][4], int kk, u32 (&ph)[4], u32 (&pl)[4]) {
+__device__ __forceinline__ void fa_round_p(const float (&p)[NK][4], int kk, u32 (&ph)[4]) {
     const float* pa = p[2 * kk];
     const float* pb = p[2 * kk + 1];
-    f16_split2_unit(pa[0], pa[1], ph[0], pl[0]);
-    f16_split2_unit(pa[2], pa[3], ph[1], pl[1]);
-    f16_split2_unit(pb[0], pb[1], ph[2], pl[2]);
-    f16_split2_unit(pb[2], pb[3], ph[3], pl[3]);
+    ph[0] = f16x2_bits(pa[0], pa[1]);
+    ph[1] = f16x2_bits(pa[2], pa[3]);
+    ph[2] = f16x2_bits(pb[0], pb[1]);
+    ph[3] = f16x2_bits(pb[2], pb[3]);
 }
 
 // O / l into o's rows r0 and r0 + 8 (those before `tokens`), head columns from col0.
@@ -580,9 +580,8 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     constexpr int LD = D + 8;
     extern __shared__ __align__(16) u16 fa_smem[];
     require_dynamic_smem(fa_smem_bytes(D));
-    u16* qh = fa_smem;
-    u16* ql = qh + FA_BQ * LD;
-    u16* kt = ql + FA_BQ * LD;
+    u16* qt = fa_smem;
+    u16* kt = qt + FA_BQ * LD;
     u16* vt = kt + FA_BK * LD;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, cq = lane & 3;
     // Blocks in launch order take the last queries first (they see the most keys, so the short
@@ -596,7 +595,7 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     const auto padded = [](int r, int c) { return r * LD + c; };
     fa_fetch<D>(kt, k, kld, kvh * D, 0, FA_BK, keys, padded);
     fa_fetch<D>(vt, v, kld, kvh * D, 0, FA_BK, keys, padded);
-    fa_stage_q<D>(q, qh, ql, t0, tokens, qld, h, padded);  // while the first tiles arrive
+    fa_stage_q<D>(q, qt, t0, tokens, qld, h, padded);  // while the first tiles arrive
     // This thread's two query rows (fragment rows gq and gq + 8 of the warp's 16).
     const int qpos0 = pos0 + t0 + warp * 16 + gq, qpos1 = qpos0 + 8;
     // Warps whose rows all precede a tile's first key skip its products.
@@ -616,21 +615,17 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
         if (active) {
-            // S = Q K^T for the warp's 16 rows x 64 keys, the hi and lo terms into the same
-            // accumulators (eight of them a k-step: enough independent products in flight).
+            // S = Q K^T for the warp's 16 rows x 64 keys (eight accumulators a k-step).
 #pragma unroll 2
             for (int ks = 0; ks < D / 16; ++ks) {
-                u32 ah[4], al[4];
-                ldsm_a(ah, qh + warp * 16 * LD + ks * 16, LD);
-                ldsm_a(al, ql + warp * 16 * LD + ks * 16, LD);
+                u32 a[4];
+                ldsm_a(a, qt + warp * 16 * LD + ks * 16, LD);
 #pragma unroll
                 for (int n2 = 0; n2 < NK / 2; ++n2) {
                     u32 b[4];  // keys n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
                     ldsm_b2(b, kt + n2 * 16 * LD + ks * 16, LD);
 #pragma unroll
-                    for (int h2 = 0; h2 < 2; ++h2) mma_f16(s[2 * n2 + h2], ah, b + 2 * h2);
-#pragma unroll
-                    for (int h2 = 0; h2 < 2; ++h2) mma_f16(s[2 * n2 + h2], al, b + 2 * h2);
+                    for (int h2 = 0; h2 < 2; ++h2) mma_f16(s[2 * n2 + h2], a, b + 2 * h2);
                 }
             }
         }
@@ -644,18 +639,14 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
             // O += P V, V's fragments transposed from its key-major tile.
 #pragma unroll
             for (int kk = 0; kk < NK / 2; ++kk) {
-                u32 ph[4], pl[4];
-                fa_split_p(s, kk, ph, pl);
+                u32 p[4];
+                fa_round_p(s, kk, p);
 #pragma unroll
                 for (int n2 = 0; n2 < NO / 2; ++n2) {
                     u32 b[4];  // dims n2 * 16 + 0-7 in [0..1], + 8-15 in [2..3]
                     ldsm_bt2(b, vt + kk * 16 * LD + n2 * 16, LD);
 #pragma unroll
-                    for (int h2 = 0; h2 < 2; ++h2) {
-                        float* out = acc[2 * n2 + h2];
-                        mma_f16(out, pl, b + 2 * h2);
-                        mma_f16(out, ph, b + 2 * h2);
-                    }
+                    for (int h2 = 0; h2 < 2; ++h2) mma_f16(acc[2 * n2 + h2], p, b + 2 * h2);
                 }
             }
         }
@@ -681,20 +672,20 @@ ATTENTION_PREFILL_KERNEL(attention_prefill, attention_prefill_impl, 256)
 // ---- prefill on Hopper's warpgroup products (sm_90a).
 //
 // The kernel above with its two products on wgmma: the same blocks (128 queries of one head, 8
-// warps), tiles of 64 keys, online softmax and split numerics, each of the two warpgroups
-// multiplying its 64 queries, and one block barrier fewer a tile (K's next tile is fetched at the
-// barrier before P V). S = Q K^T (m64n64k16, 32 products a tile: Q's hi and lo
-// parts times K for each 16 of the D columns) reads Q and K from shared memory, and O += P V
-// (m64n64k16 for each 64 of the D columns and 16 keys, P's hi and lo parts) takes P from the
-// registers its softmax left and reads V as an N-major operand: the tensor cores fetch the tiles
+// warps), tiles of 64 keys, online softmax and numerics, each of the two warpgroups multiplying
+// its 64 queries, and one block barrier fewer a tile (K's next tile is fetched at the barrier
+// before P V). S = Q K^T (m64n64k16, 16 products a tile: one for each 16 of the D columns) reads
+// Q and K from shared memory, and O += P V (m64n64k16 for each 64 of the D columns and 16 keys)
+// takes P from the registers its softmax left and reads V as an N-major operand: the tensor cores fetch the tiles
 // themselves, with no fragment loads by the warps (the mma.sync kernel spends 76 ldmatrix a warp a
 // tile), and at up to twice mma.sync's rate. Tiles are stored with the 128-byte swizzle: 64
 // columns a 128-byte row, its 16-byte chunk c at c ^ (row & 7), the next 64 columns after all the
-// rows (sw128_at). Shared memory: Q hi/lo [128][D], K and V [64][D]: 193 KiB at D = 256 with the
+// rows (sw128_at). Shared memory: Q [128][D], K and V [64][D]: 129 KiB at D = 256 with the
 // alignment. Measured against the mma.sync kernel (docs/performance.md, session 23): prefill +13%
 // at 32,768 tokens, +33% at 131,072. Dropped: K in two slots with S(j + 1) issued before tile j's
-// softmax (225 KiB, 60 bytes of spills at D = 256: 3-7% slower than this form).
-__host__ __device__ constexpr int fa_wg_smem_bytes(int d) { return 2 * (2 * FA_BQ * d + 2 * FA_BK * d) + 1024; }
+// softmax (3-7% slower with Q and P split, no faster with P rounded once: session 23 and 24), and
+// K and V in two slots with one block barrier a tile (1% slower: session 24).
+__host__ __device__ constexpr int fa_wg_smem_bytes(int d) { return 2 * (FA_BQ * d + 2 * FA_BK * d) + 1024; }
 
 // Element offset of value (r, c) of a tile of `rows` rows in the 128-byte swizzle.
 __device__ __forceinline__ int sw128_at(int r, int c, int rows) {
@@ -733,9 +724,8 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
     constexpr int NO = D / 8, NK = FA_BK / 8;
     extern __shared__ __align__(16) unsigned char fa_wg_raw[];
     require_dynamic_smem(fa_wg_smem_bytes(D));
-    u16* qh = reinterpret_cast<u16*>(fa_wg_raw + ((1024 - (smem_addr(fa_wg_raw) & 1023)) & 1023));
-    u16* ql = qh + FA_BQ * D;
-    u16* kt = ql + FA_BQ * D;
+    u16* qt = reinterpret_cast<u16*>(fa_wg_raw + ((1024 - (smem_addr(fa_wg_raw) & 1023)) & 1023));
+    u16* kt = qt + FA_BQ * D;
     u16* vt = kt + FA_BK * D;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, cq = lane & 3, wg = warp >> 2;
     const int order = blockIdx.x + gridDim.x * blockIdx.y;  // heaviest first, as above
@@ -746,7 +736,7 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
     const auto tile_at = [](int r, int c) { return sw128_at(r, c, FA_BK); };
     fa_fetch<D>(kt, k, kld, kvh * D, 0, FA_BK, keys, tile_at);
     fa_fetch<D>(vt, v, kld, kvh * D, 0, FA_BK, keys, tile_at);
-    fa_stage_q<D>(q, qh, ql, t0, tokens, qld, h, [](int r, int c) { return sw128_at(r, c, FA_BQ); });
+    fa_stage_q<D>(q, qt, t0, tokens, qld, h, [](int r, int c) { return sw128_at(r, c, FA_BQ); });
     const int qpos0 = pos0 + t0 + warp * 16 + gq, qpos1 = qpos0 + 8;
     const int warp_first = pos0 + t0 + warp * 16;
     // The products are the warpgroup's together: it skips a tile only if all its 64 rows precede
@@ -755,8 +745,8 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
     // Q's rows of this warpgroup, K and V tiles, 16 columns (Q, K) or keys (V) a k-step. V is the
     // B operand N-major: its 8-key groups lie 1,024 bytes apart (the stride); the leading offset,
     // between 64-column blocks, is unused by a 64-column product.
-    const auto q_desc = [&](const u16* part, int ks) {
-        return smem_desc_sw128(part + (ks >> 2) * FA_BQ * 64 + wg * 64 * 64 + (ks & 3) * 16, 1024);
+    const auto q_desc = [&](int ks) {
+        return smem_desc_sw128(qt + (ks >> 2) * FA_BQ * 64 + wg * 64 * 64 + (ks & 3) * 16, 1024);
     };
     const auto k_desc = [&](int ks) { return smem_desc_sw128(kt + (ks >> 2) * FA_BK * 64 + (ks & 3) * 16, 1024); };
     const auto v_desc = [&](int b, int kk) { return smem_desc_sw128(vt + b * FA_BK * 64 + kk * 16 * 64, 1024); };
@@ -775,21 +765,18 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
             float(&sf)[NK * 4] = reinterpret_cast<float(&)[NK * 4]>(s);
             wgmma_fence();
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-                wgmma_ss_f16(sf, q_desc(qh, ks), k_desc(ks), ks > 0);
-                wgmma_ss_f16(sf, q_desc(ql, ks), k_desc(ks), 1);
-            }
+            for (int ks = 0; ks < D / 16; ++ks) wgmma_ss_f16(sf, q_desc(ks), k_desc(ks), ks > 0);
             wgmma_commit();
             wgmma_wait_all();
             wgmma_hold(sf);
         }
         // No barrier here: a warpgroup whose scores are done starts its softmax while the other's
         // products still run; K's next tile is fetched after the barrier below.
-        u32 ph[NK / 2][4], pl[NK / 2][4];
+        u32 p[NK / 2][4];
         if (active) {
             fa_softmax(s, acc, m, l, k0, warp_first, qpos0, qpos1, keys, cq);
 #pragma unroll
-            for (int kk = 0; kk < NK / 2; ++kk) fa_split_p(s, kk, ph[kk], pl[kk]);
+            for (int kk = 0; kk < NK / 2; ++kk) fa_round_p(s, kk, p[kk]);
         }
         cp_async_wait_all();  // V of this tile
         fence_proxy_async();
@@ -801,10 +788,7 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
             for (int b = 0; b < D / 64; ++b) {
                 float(&ab)[32] = reinterpret_cast<float(&)[32]>(acc[8 * b]);
 #pragma unroll
-                for (int kk = 0; kk < NK / 2; ++kk) {
-                    wgmma_rs_f16_nmajor(ab, pl[kk], v_desc(b, kk));
-                    wgmma_rs_f16_nmajor(ab, ph[kk], v_desc(b, kk));
-                }
+                for (int kk = 0; kk < NK / 2; ++kk) wgmma_rs_f16_nmajor(ab, p[kk], v_desc(b, kk));
             }
             wgmma_commit();
             wgmma_wait_all();
