@@ -157,6 +157,13 @@ __device__ __forceinline__ u64 smem_desc_sw128(const void* start, u32 lbo) {
            ((u64)1 << 62);
 }
 
+// desc with its start address moved by `bytes` (a multiple of 16): one 32-bit add, where
+// smem_desc_sw128 would take a handful of instructions per product. The start field (14 bits of
+// 16-byte units) cannot carry into the next: shared addresses stay under 256 KiB.
+__device__ __forceinline__ u64 smem_desc_advance(u64 desc, u32 bytes) {
+    return (desc & 0xffffffff00000000ull) | (u32)((u32)desc + (bytes >> 4));
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The 32 f32 accumulators of an m64n64 product (d[0..31], asm operands %0-%31): the register
 // list of its asm template (closing the list) and the operands it names.

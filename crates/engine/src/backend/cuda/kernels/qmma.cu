@@ -473,11 +473,12 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS, N>& sm
         u32 a[4][4];
         wg_a_frags<BITS, N>(a, st, r, cq);
         float d[N / 2];
+        const u64 xh = wg_desc(st.xh, 0), xl = wg_desc(st.xl, 0);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            wgmma_rs(d, a[kk], wg_desc(st.xh, kk), kk > 0);
-            wgmma_rs(d, a[kk], wg_desc(st.xl, kk), 1);
+            wgmma_rs(d, a[kk], smem_desc_advance(xh, 32 * kk), kk > 0);
+            wgmma_rs(d, a[kk], smem_desc_advance(xl, 32 * kk), 1);
         }
         wgmma_commit();
         wgmma_wait_all();
