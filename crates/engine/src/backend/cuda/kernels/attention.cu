@@ -746,11 +746,11 @@ __device__ __forceinline__ void attention_prefill_wg_impl(const float* __restric
     // B operand N-major: its 8-key groups lie 1,024 bytes apart (the stride); the leading offset,
     // between 64-column blocks, is unused by a 64-column product.
     // (Each a fixed descriptor advanced by a constant: one add a product.)
-    const u64 q0 = smem_desc_sw128(qt + wg * 64 * 64, 1024), k0d = smem_desc_sw128(kt, 1024),
-              v0 = smem_desc_sw128(vt, 1024);
-    const auto q_desc = [&](int ks) { return smem_desc_advance(q0, 2 * ((ks >> 2) * FA_BQ * 64 + (ks & 3) * 16)); };
-    const auto k_desc = [&](int ks) { return smem_desc_advance(k0d, 2 * ((ks >> 2) * FA_BK * 64 + (ks & 3) * 16)); };
-    const auto v_desc = [&](int b, int kk) { return smem_desc_advance(v0, 2 * (b * FA_BK * 64 + kk * 16 * 64)); };
+    const u64 q_base = smem_desc_sw128(qt + wg * 64 * 64, 1024), k_base = smem_desc_sw128(kt, 1024),
+              v_base = smem_desc_sw128(vt, 1024);
+    const auto q_desc = [&](int ks) { return smem_desc_advance(q_base, 2 * ((ks >> 2) * FA_BQ * 64 + (ks & 3) * 16)); };
+    const auto k_desc = [&](int ks) { return smem_desc_advance(k_base, 2 * ((ks >> 2) * FA_BK * 64 + (ks & 3) * 16)); };
+    const auto v_desc = [&](int b, int kk) { return smem_desc_advance(v_base, 2 * (b * FA_BK * 64 + kk * 16 * 64)); };
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     float acc[NO][4];
 #pragma unroll

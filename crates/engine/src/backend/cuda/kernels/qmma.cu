@@ -343,12 +343,12 @@ __device__ __forceinline__ int wg_chunk(int r, int c) {
     return c ^ ((r >> (CH == 2 ? 2 : 1)) & (CH - 1));
 }
 
-// Shared-memory descriptor of an x part from column 16 kk (the K-major layout with the 128-byte
+// Shared-memory descriptor of an x part from its first column (the K-major layout with the 128-byte
 // swizzle): start address, the leading-dimension offset (unused with this swizzle: 1), the
 // distance between 8-slot blocks (1,024 bytes), each in units of 16 bytes, and the swizzle mode.
-// The start moves 32 bytes a step inside the 1,024-byte aligned rows; the hardware applies the
-// swizzle to the addresses it forms.
-__device__ __forceinline__ u64 wg_desc(const u16* part, int kk) { return smem_desc_sw128(part + kk * 16, 16); }
+// Column 16 kk's is smem_desc_advance(wg_desc(part), 32 * kk): the start moves 32 bytes a step
+// inside the 1,024-byte aligned rows; the hardware applies the swizzle to the addresses it forms.
+__device__ __forceinline__ u64 wg_desc(const u16* part) { return smem_desc_sw128(part, 16); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // d (+)= a * b over 64 rows x N slots x 16 columns: a in registers (the m16n8k16 A fragment of
@@ -473,7 +473,7 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS, N>& sm
         u32 a[4][4];
         wg_a_frags<BITS, N>(a, st, r, cq);
         float d[N / 2];
-        const u64 xh = wg_desc(st.xh, 0), xl = wg_desc(st.xl, 0);
+        const u64 xh = wg_desc(st.xh), xl = wg_desc(st.xl);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
