@@ -5,7 +5,7 @@
 
 use std::io::Write;
 
-use common::{cuda_or_skip, nmse, qweight, randn};
+use common::{cuda_or_skip, nmse, qweight, randn, skip_without_gpu};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use engine::backend::cpu::reference as r;
 use engine::backend::cpu::{CpuBackend, CpuRouting};
@@ -20,13 +20,9 @@ use rand::{Rng, SeedableRng};
 mod common;
 
 fn device_or_skip(test: &str) -> Option<CudaDevice> {
-    match CudaDevice::open(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no usable GPU ({e})");
-            None
-        }
-    }
+    CudaDevice::open(0)
+        .map_err(|e| skip_without_gpu(test, e))
+        .ok()
 }
 
 /// How a matrix-vector kernel of kernels/quant.cu is launched (256 threads a block): by rows

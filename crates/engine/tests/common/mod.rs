@@ -51,15 +51,20 @@ pub fn nmse(a: &[f32], e: &[f32]) -> f64 {
     num / den
 }
 
-/// The GPU backend, or `None` after saying why the test is skipped. Written to the stderr handle
-/// itself: the harness captures `eprintln!` of passing tests, and a skip must be visible.
+/// The GPU backend, or `None` after saying why the test is skipped.
 pub fn cuda_or_skip(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no usable GPU ({e})");
-            None
-        }
+    CudaBackend::new(0)
+        .map_err(|e| skip_without_gpu(test, e))
+        .ok()
+}
+
+/// Says why a GPU test is skipped. Written to the stderr handle itself: the harness captures
+/// `eprintln!` of passing tests, and a skip must be visible. On the GPU machine LILY_REQUIRE_GPU=1
+/// makes it a failure, so that a kernel that does not compile there cannot pass as a skip.
+pub fn skip_without_gpu(test: &str, e: impl std::fmt::Display) {
+    if std::env::var_os("LILY_REQUIRE_GPU").is_some() {
+        panic!("{test}: no usable GPU, and LILY_REQUIRE_GPU is set: {e}");
     }
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no usable GPU ({e})");
 }

@@ -825,10 +825,10 @@ const PREFILL_CHUNK: usize = 4096;
 /// then the slots' rows). The kernels trap if a launch gives them less.
 const TC_SMEM_BYTES: usize = 2 * (2 * (128 + 2 * 64) * 72 + 4 * (2 * 128 + 64)) + 64 * (4 + 8);
 /// Shared memory of a warpgroup product block (`WgSmem<BITS, N>`, kernels/qmma.cu): six stages
-/// of `slots` slots' hi and lo activations (64 columns each), 256 rows of codes and the slots'
-/// sums, then the slots and the stages' mbarriers (under 1,024 bytes).
+/// of `slots` slots' hi and lo activations (64 columns each) and 256 rows of codes, then the
+/// slots and the stages' mbarriers (under 1,024 bytes).
 fn wg_smem_bytes(bits: usize, slots: usize) -> usize {
-    let stage = 2 * slots * 64 * 2 + 256 * 2 * bits * 4 + slots * 4;
+    let stage = 2 * slots * 64 * 2 + 256 * 2 * bits * 4;
     // Stages and the whole are 1,024-byte aligned; 1,024 more to align the start.
     6 * stage.next_multiple_of(1024) + 1024 + 1024
 }

@@ -96,7 +96,11 @@ __device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
 template <int BITS>
 __device__ __forceinline__ u32 code_pair(const u32* w, int b, int p) {
     if constexpr (BITS == 4) {
-        return bf16x2_fma(((w[b] >> (4 * p)) & 0x000f000fu) | 0x43004300u, 0x3f803f80u, 0xc300c300u);
+        // (w & mask) | 128.0 in one lop3: written as C, the compiler moves the mask into a
+        // register before every use.
+        u32 t;
+        asm("lop3.b32 %0, %1, 0x000f000f, 0x43004300, 0xea;" : "=r"(t) : "r"(w[b] >> (4 * p)));
+        return bf16x2_fma(t, 0x3f803f80u, 0xc300c300u);
     } else {
         const u32 lo = __float_as_uint((float)((w[2 * b] >> (8 * p)) & 0xffu)) >> 16;
         const u32 hi = __float_as_uint((float)((w[2 * b + 1] >> (8 * p)) & 0xffu)) >> 16;
@@ -283,8 +287,15 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
 // wgmma.m64n64k16: the weights as the A operand in registers, converted from the codes by the
 // thread that holds them (each code converted once, no shared copy of bf16 weights), the
 // activations as the B operand read by the tensor cores straight from shared memory (no ldmatrix).
-// Codes, activations and sums arrive by cp.async, four groups ahead, each stage handed over by
-// mbarriers (wg_product). Per group the exact split and the f32 scale and bias are as above.
+// Codes and activations arrive by cp.async, four groups ahead, each stage handed over by
+// mbarriers (wg_product). Per group the exact split and the f32 scale are as above; the bias
+// half, sum over groups of bias * sum(x), is one more exact product after the last group
+// (wg_bias_product), so that a group costs one FMA an accumulator, not two:
+//   acc = sum_g scale_g * sum(q * x)_g  +  sum_g bias_g * sum(x)_g
+// Every term is as exact as the mma core's; only the order of the f32 additions differs.
+// The issue cost is what these kernels are bound by (Nsight Compute: instruction issue 55%),
+// so the per-group loop is kept to the instructions the products need: copy sources and
+// destinations worked out once (WgCopies), stages by running index.
 // 256 rows a block (twice the mma core's) because the activations, read from L2 once per block,
 // are four bytes a value with the split: per product they outweigh the codes, and their traffic
 // halves with each doubling of the rows.
@@ -312,10 +323,14 @@ struct __align__(1024) WgStage {
     u16 xh[N * 64];
     u16 xl[N * 64];
     u32 codes[WG_BM * 2 * BITS];
-    float sx[N];
+    // The parts' byte offsets, for copies addressed from the stage's shared address (wg_load).
+    static constexpr u32 XH = 0, XL = N * 64 * 2, CODES = 2 * N * 64 * 2;
 };
+// After the last group, stage 0 holds the bias half's operand: the slots' group sums in three
+// bf16 parts (wg_bias_product).
+static_assert(sizeof(WgStage<4, 16>) >= 3 * 16 * 128 && sizeof(WgStage<4, 64>) >= 3 * 64 * 128, "stage");
 
-// With 64 slots 151 KiB (4-bit) or 199 KiB (8-bit); with 16, 79 or 127 KiB; and up to 1,023
+// With 64 slots 145 KiB (4-bit) or 193 KiB (8-bit); with 16, 73 or 121 KiB; and up to 1,023
 // bytes to align it: wg_smem_bytes in mod.rs.
 template <int BITS, int N>
 struct __align__(1024) WgSmem {
@@ -375,34 +390,49 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 
 }
 #endif
 
-// Starts the copies of group g into a stage: x parts and sums of the occupied slots, and the
-// codes of the rows in range (what stays stale only feeds outputs that are never written).
+// One thread's part of every group's copies into a stage, worked out once per product: the
+// element offsets of its sources at group 0 (-1: nothing to copy) and where each lands within a
+// stage. Group g's sources lie g groups further on. x of the occupied slots; the
+// codes of the rows in range (what stays stale only feeds outputs that are never written). The
+// group sums wait for the end (wg_bias_product).
 template <int BITS, int N>
-__device__ __forceinline__ void wg_load(WgStage<BITS, N>& st, const TileSlots& sl, QMat w, SplitX x, int n0,
-                                        int rows, int cols, int g) {
-    constexpr int CH = BITS / 2;
-    const int tid = threadIdx.x;
-    if (tid < 8 * N) {
-        const int s = tid >> 3, c = tid & 7;  // one chunk of each part per thread
-        const int row = sl.xrow[s];
-        if (row >= 0) {
-            const size_t at = (size_t)row * x.ld + g * 64 + c * 8;
-            cp_async16(&st.xh[wg_x_at(s, c)], x.hi + at);
-            cp_async16(&st.xl[wg_x_at(s, c)], x.lo + at);
+struct WgCopies {
+    static constexpr int CH = BITS / 2;
+    int x = -1;         // one 8-column chunk of a slot, into x.hi and x.lo alike
+    u32 x_at = 0;       // its byte offset within a stage's xh (and xl)
+    int codes[CH / 2];  // 16-byte chunks of code rows, into w.codes
+    u32 codes_at[CH / 2];
+
+    __device__ __forceinline__ WgCopies(const TileSlots& sl, SplitX x_, int n0, int rows, int cols) {
+        const int tid = threadIdx.x;
+        if (tid < 8 * N) {
+            const int s = tid >> 3, c = tid & 7;
+            const int row = sl.xrow[s];
+            x = row >= 0 ? row * x_.ld + c * 8 : -1;
+            x_at = 2 * wg_x_at(s, c);
+        }
+        const int words = cols * BITS / 32;
+#pragma unroll
+        for (int j = 0; j < CH / 2; ++j) {
+            const int i = tid + j * WG_THREADS, r = i / CH, c = i % CH;
+            codes[j] = n0 + r < rows ? (n0 + r) * words + c * 4 : -1;
+            codes_at[j] = 4 * (r * CH + wg_chunk<CH>(r, c)) * 4;
         }
     }
-    const size_t words = (size_t)cols * BITS / 32;
+};
+
+// Starts the copies of group g into the stage at shared address `stage`.
+template <int BITS, int N>
+__device__ __forceinline__ void wg_load(u32 stage, const WgCopies<BITS, N>& cp, QMat w, SplitX x, int g) {
+    using St = WgStage<BITS, N>;
+    if (cp.x >= 0) {
+        const u32 at = (u32)cp.x + 64u * g;
+        cp_async16_to(stage + St::XH + cp.x_at, x.hi + at);
+        cp_async16_to(stage + St::XL + cp.x_at, x.lo + at);
+    }
 #pragma unroll
-    for (int j = 0; j < CH / 2; ++j) {
-        const int i = tid + j * WG_THREADS, r = i / CH, c = i % CH;
-        if (n0 + r < rows)
-            cp_async16(&st.codes[(r * CH + wg_chunk<CH>(r, c)) * 4],
-                       w.codes + (size_t)(n0 + r) * words + (size_t)g * 2 * BITS + c * 4);
-    }
-    if (tid < N) {
-        const int row = sl.xrow[tid];
-        if (row >= 0) cp_async4(&st.sx[tid], x.sum + (size_t)row * (x.ld >> 6) + g);
-    }
+    for (int j = 0; j < BITS / 4; ++j)
+        if (cp.codes[j] >= 0) cp_async16_to(stage + St::CODES + cp.codes_at[j], w.codes + (u32)cp.codes[j] + 2u * BITS * g);
 }
 
 // The A fragments of the thread's rows r and r + 8 for the group's four 16-column steps.
@@ -425,6 +455,69 @@ __device__ __forceinline__ void wg_a_frags(u32 (&a)[4][4], const WgStage<BITS, N
         a[kk][3] = code_pair<BITS>(w1, 2 * kk + 1, cq);
     }
 }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The bias half of every group's sum, acc[row][slot] += sum_g bias[row][g] * sum(x[slot], group
+// g), as products after the last group instead of a second FMA per accumulator and group: the
+// biases (exact in bf16) as the A operand, rows r and r + 8 from at0 and at1; the slots' group
+// sums as B, split in three bf16 parts (exact: 24 significant bits), in stage 0 (part p from
+// element p * N * 64, laid out as x). 64 groups a round, in their natural order along K.
+template <int BITS, int N>
+__device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, SplitX x, WgSmem<BITS, N>& sm, u32 at0,
+                                                u32 at1, int groups, int cq) {
+    const int tid = threadIdx.x;
+    u16* part = reinterpret_cast<u16*>(&sm.stage[0]);
+    for (int g0 = 0; g0 < groups; g0 += 64) {
+        // Every warp is past the last group (or the previous round) before stage 0 is rewritten.
+        __syncthreads();
+        if (tid < 8 * N) {
+            const int s = tid >> 3, c = tid & 7, row = sm.slots.xrow[s];
+            u32 p[3][4];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int g = g0 + 8 * c + i;
+                const float f = row >= 0 && g < groups ? x.sum[(size_t)row * (x.ld >> 6) + g] : 0.f;
+                const u32 hi = bf16_bits(f);
+                const float rest = f - __uint_as_float(hi << 16);
+                const u32 mid = bf16_bits(rest);
+                const u32 lo = bf16_bits(rest - __uint_as_float(mid << 16));
+                const int sh = 16 * (i & 1);
+                p[0][i >> 1] = (i & 1 ? p[0][i >> 1] : 0u) | (hi << sh);
+                p[1][i >> 1] = (i & 1 ? p[1][i >> 1] : 0u) | (mid << sh);
+                p[2][i >> 1] = (i & 1 ? p[2][i >> 1] : 0u) | (lo << sh);
+            }
+#pragma unroll
+            for (int q = 0; q < 3; ++q)
+                *reinterpret_cast<uint4*>(part + q * N * 64 + wg_x_at(s, c)) = make_uint4(p[q][0], p[q][1], p[q][2], p[q][3]);
+        }
+        fence_proxy_async();
+        __syncthreads();
+        // The A fragments: bias pairs (g, g + 1) of rows r and r + 8 at K = 2cq (and + 8) of each
+        // 16-group step; past the last group, zero.
+        auto pair = [&](u32 at, int g) {
+            const u32 b0 = g < groups ? __ldg(w.biases + at + g) : 0u;
+            const u32 b1 = g + 1 < groups ? __ldg(w.biases + at + g + 1) : 0u;
+            return b0 | (b1 << 16);
+        };
+        const int steps = min(4, (groups - g0 + 15) / 16);
+        u32 a[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const int g = g0 + 16 * kk + 2 * cq;
+            a[kk][0] = pair(at0, g), a[kk][1] = pair(at1, g), a[kk][2] = pair(at0, g + 8), a[kk][3] = pair(at1, g + 8);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            if (kk < steps)
+#pragma unroll
+                for (int q = 0; q < 3; ++q) wgmma_rs(acc, a[kk], smem_desc_advance(wg_desc(part + q * N * 64), 32 * kk), 1);
+        wgmma_commit();
+        wgmma_wait_all();
+        wgmma_hold(acc);
+    }
+}
+#endif
 
 // tc_product's contract on the warpgroup products.
 template <int BITS, int N>
@@ -449,27 +542,36 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS, N>& sm
             mbar_init(&sm.empty[i], WG_THREADS / 32);
         }
     __syncthreads();
-    // Group G's copies into its stage, then this thread's arrival on the stage's `full`.
-    auto load = [&](int G) {
-        if (G >= groups) return;
-        if (G >= S) mbar_wait(&sm.empty[G % S], (G / S - 1) & 1);
-        wg_load<BITS, N>(sm.stage[G % S], sl, w, x, n0, rows, cols, G);
-        mbar_arrive_copies(&sm.full[G % S]);
+    // Stages, and their barriers, by shared address.
+    constexpr u32 STAGE_BYTES = sizeof(WgStage<BITS, N>);
+    const u32 stage0 = smem_addr(&sm.stage[0]), full0 = smem_addr(&sm.full[0]), empty0 = smem_addr(&sm.empty[0]);
+    const WgCopies<BITS, N> copies(sl, x, n0, rows, cols);
+    // The next group G to copy, its stage G % S and (G / S) & 1: its copies wait for the stage's
+    // group G - S to be done with, then this thread arrives on the stage's `full`.
+    int lg = 0, ls = 0, lpar = 0;
+    auto load_next = [&]() {
+        if (lg < groups) {
+            if (lg >= S) mbar_wait(empty0 + 8 * ls, lpar ^ 1);
+            wg_load<BITS, N>(stage0 + ls * STAGE_BYTES, copies, w, x, lg);
+            mbar_arrive_copies(full0 + 8 * ls);
+        }
+        ++lg;
+        if (++ls == S) ls = 0, lpar ^= 1;
     };
-    for (int G = 0; G < S - 2; ++G) load(G);
-    // Rows r and r + 8's scales and biases, loaded one group ahead of their use (a row past the
-    // matrix reads row 0's: its results are never written).
+    for (int G = 0; G < S - 2; ++G) load_next();
+    // Rows r and r + 8's scales, loaded one group ahead of their use (a row past the matrix reads
+    // row 0's: its results are never written).
     const u32 at0 = (u32)(n0 + r < rows ? n0 + r : 0) * groups;  // rows * groups < 2^32
     const u32 at1 = (u32)(n0 + r + 8 < rows ? n0 + r + 8 : 0) * groups;
-    u16 s0 = __ldg(w.scales + at0), b0 = __ldg(w.biases + at0);
-    u16 s1 = __ldg(w.scales + at1), b1 = __ldg(w.biases + at1);
+    u16 s0 = __ldg(w.scales + at0), s1 = __ldg(w.scales + at1);
+    // Group g's stage cs = g % S and (g / S) & 1.
+    int cs = 0, cpar = 0;
     for (int g = 0; g < groups; ++g) {
         const int gn = min(g + 1, groups - 1);
-        const u16 s0n = __ldg(w.scales + at0 + gn), b0n = __ldg(w.biases + at0 + gn);
-        const u16 s1n = __ldg(w.scales + at1 + gn), b1n = __ldg(w.biases + at1 + gn);
-        mbar_wait(&sm.full[g % S], (g / S) & 1);
+        const u16 s0n = __ldg(w.scales + at0 + gn), s1n = __ldg(w.scales + at1 + gn);
+        mbar_wait(full0 + 8 * cs, cpar);
         fence_proxy_async();
-        const WgStage<BITS, N>& st = sm.stage[g % S];
+        const WgStage<BITS, N>& st = sm.stage[cs];
         u32 a[4][4];
         wg_a_frags<BITS, N>(a, st, r, cq);
         float d[N / 2];
@@ -483,25 +585,26 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS, N>& sm
         wgmma_commit();
         wgmma_wait_all();
         wgmma_hold(d);
-        const float fs0 = bf16_to_f32(s0), fb0 = bf16_to_f32(b0), fs1 = bf16_to_f32(s1), fb1 = bf16_to_f32(b1);
+        const float fs0 = bf16_to_f32(s0), fs1 = bf16_to_f32(s1);
         // d[4j + e]: row r + 8 (e >> 1), slot 8j + 2cq + (e & 1).
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
-            const float2 sx = *reinterpret_cast<const float2*>(&st.sx[8 * j + 2 * cq]);
-            acc[4 * j] = fmaf(fs0, d[4 * j], fmaf(fb0, sx.x, acc[4 * j]));
-            acc[4 * j + 1] = fmaf(fs0, d[4 * j + 1], fmaf(fb0, sx.y, acc[4 * j + 1]));
-            acc[4 * j + 2] = fmaf(fs1, d[4 * j + 2], fmaf(fb1, sx.x, acc[4 * j + 2]));
-            acc[4 * j + 3] = fmaf(fs1, d[4 * j + 3], fmaf(fb1, sx.y, acc[4 * j + 3]));
+            acc[4 * j] = fmaf(fs0, d[4 * j], acc[4 * j]);
+            acc[4 * j + 1] = fmaf(fs0, d[4 * j + 1], acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(fs1, d[4 * j + 2], acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(fs1, d[4 * j + 3], acc[4 * j + 3]);
         }
-        s0 = s0n, b0 = b0n, s1 = s1n, b1 = b1n;
-        // This warp is done with the stage (its products waited for, its sums read).
+        s0 = s0n, s1 = s1n;
+        // This warp is done with the stage (its products waited for).
         __syncwarp();
-        if (lane == 0) mbar_arrive(&sm.empty[g % S]);
+        if (lane == 0) mbar_arrive(empty0 + 8 * cs);
         // Four groups ahead: its stage held group g - 2, which a warpgroup up to two groups
         // behind this one may still be reading.
-        load(g + S - 2);
+        load_next();
+        if (++cs == S) cs = 0, cpar ^= 1;
     }
     cp_async_wait_all();
+    wg_bias_product<BITS, N>(acc, w, x, sm, at0, at1, groups, cq);
 #pragma unroll
     for (int j = 0; j < N / 8; ++j)
 #pragma unroll
