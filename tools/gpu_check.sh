@@ -26,6 +26,9 @@ DECODE_STEPS=${DECODE_STEPS:-64}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-240}
 export LILY_KERNEL_CACHE=${LILY_KERNEL_CACHE:-/tmp/lily-kernels}
 export LILY_TEST_FIXTURES=$ROOT/tests/fixtures
+# This is the GPU machine: a GPU test that cannot open the GPU (a kernel that does not compile
+# with its NVRTC, say) fails instead of printing SKIPPED.
+export LILY_REQUIRE_GPU=${LILY_REQUIRE_GPU:-1}
 mkdir -p "$OUT"
 SUMMARY=()
 T0=$(date +%s)
