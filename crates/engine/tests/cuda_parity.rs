@@ -171,7 +171,16 @@ fn every_quantized_product_matches() {
     };
     let mut rng = StdRng::seed_from_u64(21);
     for bits in [4, 8] {
-        for (rows, cols) in [(1, 64), (65, 192), (257, 2048), (1000, 512), (96, 4096)] {
+        // 4,160 columns: 65 groups, more than the tensor-core products' bias half takes in one
+        // round of 64 (kernels/qmma.cu, wg_bias_product).
+        for (rows, cols) in [
+            (1, 64),
+            (65, 192),
+            (257, 2048),
+            (1000, 512),
+            (96, 4096),
+            (33, 4160),
+        ] {
             let w = qweight(&mut rng, rows, cols, bits);
             // One token (decode), a few (the per-token path), and the tensor-core tiles: one
             // partial tile of tokens, and several with a partial last one.
