@@ -293,9 +293,9 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
 // (wg_bias_product), so that a group costs one FMA an accumulator, not two:
 //   acc = sum_g scale_g * sum(q * x)_g  +  sum_g bias_g * sum(x)_g
 // Every term is as exact as the mma core's; only the order of the f32 additions differs.
-// The issue cost is what these kernels are bound by (Nsight Compute: instruction issue 55%),
-// so the per-group loop is kept to the instructions the products need: copy sources and
-// destinations worked out once (WgCopies), stages by running index.
+// These kernels were bound by instruction issue (Nsight Compute, docs/performance.md), so the
+// per-group loop is kept to the instructions the products need: copy sources and destinations
+// worked out once (WgCopies), stages by running index.
 // 256 rows a block (twice the mma core's) because the activations, read from L2 once per block,
 // are four bytes a value with the split: per product they outweigh the codes, and their traffic
 // halves with each doubling of the rows.
