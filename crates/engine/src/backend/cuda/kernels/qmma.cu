@@ -326,9 +326,6 @@ struct __align__(1024) WgStage {
     // The parts' byte offsets, for copies addressed from the stage's shared address (wg_load).
     static constexpr u32 XH = 0, XL = N * 64 * 2, CODES = 2 * N * 64 * 2;
 };
-// After the last group, stage 0 holds the bias half's operand: the slots' group sums in three
-// bf16 parts (wg_bias_product).
-static_assert(sizeof(WgStage<4, 16>) >= 3 * 16 * 128 && sizeof(WgStage<4, 64>) >= 3 * 64 * 128, "stage");
 
 // With 64 slots 145 KiB (4-bit) or 193 KiB (8-bit); with 16, 73 or 121 KiB; and up to 1,023
 // bytes to align it: wg_smem_bytes in mod.rs.
@@ -431,7 +428,7 @@ __device__ __forceinline__ void wg_load(u32 stage, const WgCopies<BITS, N>& cp, 
         cp_async16_to(stage + St::XL + cp.x_at, x.lo + at);
     }
 #pragma unroll
-    for (int j = 0; j < BITS / 4; ++j)
+    for (int j = 0; j < WgCopies<BITS, N>::CH / 2; ++j)
         if (cp.codes[j] >= 0) cp_async16_to(stage + St::CODES + cp.codes_at[j], w.codes + (u32)cp.codes[j] + 2u * BITS * g);
 }
 
@@ -465,6 +462,7 @@ __device__ __forceinline__ void wg_a_frags(u32 (&a)[4][4], const WgStage<BITS, N
 template <int BITS, int N>
 __device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, SplitX x, WgSmem<BITS, N>& sm, u32 at0,
                                                 u32 at1, int groups, int cq) {
+    static_assert(sizeof(WgStage<BITS, N>) >= 3 * N * 128, "the sums' three parts fit in stage 0");
     const int tid = threadIdx.x;
     u16* part = reinterpret_cast<u16*>(&sm.stage[0]);
     for (int g0 = 0; g0 < groups; g0 += 64) {
@@ -472,19 +470,22 @@ __device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, Spl
         __syncthreads();
         if (tid < 8 * N) {
             const int s = tid >> 3, c = tid & 7, row = sm.slots.xrow[s];
-            u32 p[3][4];
+            u32 p[3][4];  // part q's bf16 pairs (groups 2i and 2i + 1 of the chunk)
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int g = g0 + 8 * c + i;
-                const float f = row >= 0 && g < groups ? x.sum[(size_t)row * (x.ld >> 6) + g] : 0.f;
-                const u32 hi = bf16_bits(f);
-                const float rest = f - __uint_as_float(hi << 16);
-                const u32 mid = bf16_bits(rest);
-                const u32 lo = bf16_bits(rest - __uint_as_float(mid << 16));
-                const int sh = 16 * (i & 1);
-                p[0][i >> 1] = (i & 1 ? p[0][i >> 1] : 0u) | (hi << sh);
-                p[1][i >> 1] = (i & 1 ? p[1][i >> 1] : 0u) | (mid << sh);
-                p[2][i >> 1] = (i & 1 ? p[2][i >> 1] : 0u) | (lo << sh);
+            for (int i = 0; i < 4; ++i) {
+                u32 hi[2], mid[2], lo[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int g = g0 + 8 * c + 2 * i + e;
+                    const float f = row >= 0 && g < groups ? x.sum[(size_t)row * (x.ld >> 6) + g] : 0.f;
+                    // f = hi + mid + lo exactly: hi rounds f to 8 significant bits, the rest
+                    // (at most 16) is split as the activations are.
+                    hi[e] = bf16_bits(f);
+                    bf16_split(f - __uint_as_float(hi[e] << 16), mid[e], lo[e]);
+                }
+                p[0][i] = hi[0] | (hi[1] << 16);
+                p[1][i] = mid[0] | (mid[1] << 16);
+                p[2][i] = lo[0] | (lo[1] << 16);
             }
 #pragma unroll
             for (int q = 0; q < 3; ++q)
