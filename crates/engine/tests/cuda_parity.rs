@@ -875,6 +875,30 @@ fn routing_and_experts_match() {
 }
 
 #[test]
+fn experts_grouped_from_more_pairs_than_one_batch() {
+    let Some((cpu, gpu)) = backends_or_skip("experts_grouped_from_more_pairs_than_one_batch")
+    else {
+        return;
+    };
+    // 4,200 tokens x 8 experts: 33,600 pairs, more than moe_group's threads hold in one batch
+    // (32 x 1,024, kernels/qmma.cu), on a small shape so that the CPU reference stays quick.
+    let mut rng = StdRng::seed_from_u64(29);
+    let (e, k, hidden, inter, t) = (16, 8, 64, 64, 4200);
+    let w = [
+        qweight(&mut rng, e * inter, hidden, 4),
+        qweight(&mut rng, e * inter, hidden, 4),
+        qweight(&mut rng, e * hidden, inter, 4),
+    ];
+    let logits = randn(&mut rng, t * e, 3.0);
+    let x = randn(&mut rng, t * hidden, 1.0);
+    close(
+        &format!("experts E={e} k={k} T={t}"),
+        &moe_on(&gpu, &logits, &x, &w, t, e, k, true),
+        &moe_on(&cpu, &logits, &x, &w, t, e, k, true),
+    );
+}
+
+#[test]
 fn quantized_gemv_matches_the_cpu_reference() {
     let Some(dev) = device_or_skip("quantized_gemv_matches_the_cpu_reference") else {
         return;
