@@ -367,7 +367,15 @@ except OSError: pass' "$RES/mlx-lm.jsonl") "
   [ ${#pend[@]} -gt 0 ] || { log "mlx: all contexts done before"; return 0; }
   budget=$(( $(left) - 10 ))
   [ "$budget" -ge 90 ] || { log "mlx: not run, ${budget}s left (call again)"; return 1; }
+  # libmlx.so looks for the CUDA libraries (cuBLAS, cuDNN, NCCL, ...) beside a pip install of
+  # them, $ORIGIN/../../nvidia/*/lib, which --target "$W/site" does not have: take the lib
+  # folders of the machine's own `nvidia` packages (torch's) and the toolkit's instead.
+  local cuda_libs
+  cuda_libs=$(python3 -c 'import glob, os, nvidia
+print(":".join(d for p in nvidia.__path__ for d in sorted(glob.glob(os.path.join(p, "*", "lib")))))' 2>/dev/null)
+  cuda_libs="${cuda_libs:+$cuda_libs:}/usr/local/cuda/lib64"
   log "mlx: bench_mlx_cuda.py ${pend[*]} (limit ${budget}s)"
+  LD_LIBRARY_PATH="$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   PYTHONPATH="$W/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout -k 10 "$budget" \
       python3 tools/peers/bench_mlx_cuda.py --jsonl-out "$RES/mlx-lm.jsonl" "${pend[@]}" >> "$RES/mlx-lm.log" 2>&1
   rc=$?
