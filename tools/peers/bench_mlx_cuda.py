@@ -7,12 +7,18 @@ prefill = time to first yield of generate_step, decode = next 64 inter-yield int
 
 Copied from the reference (shared/tools/peers/bench_mlx_cuda.py, 2026-11-29); only the
 --jsonl-out option is new (one line per context, written as each finishes, for
-tools/peers/table.py).  Needs mlx with its CUDA backend and mlx-lm (tools/bench_h200.sh MODE=mlx)."""
+tools/peers/table.py, with the mlx and mlx-lm versions).  Needs mlx with its CUDA backend and mlx-lm (tools/bench_h200.sh MODE=mlx)."""
 import sys, time, json
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5_moe
 from mlx_lm.generate import generate_step
+from importlib import metadata
+
+try:
+    mlx_lm_version = metadata.version("mlx-lm")
+except metadata.PackageNotFoundError:  # imported from a tree without its dist-info
+    mlx_lm_version = "unknown"
 
 L = 40
 tc = {
@@ -65,7 +71,8 @@ for n in [int(x) for x in (argv or ["256", "4096"])]:
     run(min(n, 512), 4)  # warm-up
     mx.clear_cache()
     pre, dec, toks = run(n, 64)
-    res.append({"context": n, "prefill_tok_s": round(pre, 1), "decode_tok_s": round(dec, 1)})
+    res.append({"context": n, "prefill_tok_s": round(pre, 1), "decode_tok_s": round(dec, 1),
+                "mlx": mx.__version__, "mlx_lm": mlx_lm_version})
     print(json.dumps(res[-1]), flush=True)
     if jsonl_out:
         with open(jsonl_out, "a") as f:

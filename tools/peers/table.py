@@ -144,6 +144,10 @@ def build(d: str):
                 "prefill": ratio(li and li["prefill_tok_s"], lp and lp["tok_s"]),
                 "decode": ratio(li and li["decode_tok_s"], lt and lt["tok_s"]),
             },
+            "ratio_lily_over_mlx_lm": {
+                "prefill": ratio(li and li["prefill_tok_s"], mx and mx.get("prefill_tok_s")),
+                "decode": ratio(li and li["decode_tok_s"], mx and mx.get("decode_tok_s")),
+            },
             "decode_limit_tok_s": lim,
             "decode_fraction_of_limit": {
                 "lily": li["decode_tok_s"] / lim if li else None,
@@ -195,7 +199,7 @@ def markdown(res) -> str:
     head = ["context", "lily prefill", "llama.cpp prefill", "ratio",
             "lily decode", "llama.cpp decode", "ratio", "decode limit", "% of limit (lily / llama.cpp)"]
     if has_mlx:
-        head += ["mlx-lm prefill", "mlx-lm decode"]
+        head += ["mlx-lm prefill", "ratio", "mlx-lm decode", "ratio"]
     out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         li, ll, mx = r["lily"], r["llama_cpp"] or {}, r["mlx_lm"]
@@ -216,10 +220,14 @@ def markdown(res) -> str:
             pct,
         ]
         if has_mlx:
-            cells += [fmt(mx and mx.get("prefill_tok_s")), fmt(mx and mx.get("decode_tok_s"))]
+            mrat = r["ratio_lily_over_mlx_lm"]
+            cells += [fmt(mx and mx.get("prefill_tok_s")),
+                      "-" if mrat["prefill"] is None else f"{mrat['prefill']:.1f}x",
+                      fmt(mx and mx.get("decode_tok_s")),
+                      "-" if mrat["decode"] is None else f"{mrat['decode']:.1f}x"]
         out.append("| " + " | ".join(cells) + " |")
 
-    notes = ["", "tok/s; ratio = lily / llama.cpp (above 1: lily is faster)."]
+    notes = ["", "tok/s; ratio = lily / the peer to its left (above 1: lily is faster)."]
     lm = (res["meta"] or {}).get("lily") or {}
     if lm:
         notes.append(f"lily: `lily bench` on {lm.get('device', '?')}, one run per context "
@@ -237,6 +245,14 @@ def markdown(res) -> str:
             + ", ".join(f"-ub {u} -b {b}" for u, b in ub)
             + f", mean of {'/'.join(map(str, reps))} reps; prefill = pp<N> on an empty context, "
             f"decode = {'/'.join(tg)} at depth N.")
+    mlx_rows = [r["mlx_lm"] for r in rows if r["mlx_lm"]]
+    if mlx_rows:
+        versions = sorted({f"mlx {m['mlx']}, mlx-lm {m['mlx_lm']}" for m in mlx_rows if m.get("mlx")})
+        notes.append(
+            f"mlx-lm on CUDA ({'; '.join(versions) or 'versions not recorded'}): "
+            "tools/peers/bench_mlx_cuda.py on random weights of the same shape built and quantized by "
+            "mlx-lm (4-bit g64, 8-bit router and shared-expert gate), one run per context; prefill = "
+            "the prompt to the first token, decode = the next 64 steps.")
     k = res["constants"]
     notes.append(f"decode limit = {k['copy_bandwidth_b_s'] / 1e12:.1f} TB/s copy bandwidth / "
                  f"({k['weight_bytes_per_step'] / 1e9:.2f} GB weights + N x {k['kv_bytes_per_token'] // 1024} KiB KV) per step.")

@@ -112,10 +112,15 @@ class TableTest(unittest.TestCase):
     def test_mlx_columns_only_when_present(self):
         self.assertNotIn("mlx-lm", table.markdown(table.build(self.d)))
         with open(os.path.join(self.d, "mlx-lm.jsonl"), "w") as f:
-            f.write(json.dumps({"context": 256, "prefill_tok_s": 372.0, "decode_tok_s": 58.2}) + "\n")
-        md = table.markdown(table.build(self.d))
+            f.write(json.dumps({"context": 256, "prefill_tok_s": 320.0, "decode_tok_s": 64.0,
+                                "mlx": "0.32.4", "mlx_lm": "0.32.2"}) + "\n")
+        res = table.build(self.d)
+        md = table.markdown(res)
         self.assertIn("mlx-lm decode", md)
-        self.assertIn("| 372.0 | 58.2 |", md)
+        # lily at 256: 2,560 tok/s prefill and 128 decode (setUp), so 8x and 2x mlx-lm's
+        self.assertEqual(res["rows"][0]["ratio_lily_over_mlx_lm"], {"prefill": 8.0, "decode": 2.0})
+        self.assertIn("| 320.0 | 8.0x | 64.0 | 2.0x |", md)
+        self.assertIn("mlx-lm on CUDA (mlx 0.32.4, mlx-lm 0.32.2)", md)
 
     def test_llama_source(self):
         # a git checkout's commit as llama-bench reports it; the sdist's tree reports "unknown",
