@@ -10,7 +10,9 @@ use std::collections::HashMap;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::backend::Backend;
 use crate::backend::cpu::reference::argmax;
+use crate::error::{Error, Result};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -93,6 +95,23 @@ impl Sampler {
     /// Whether `sample` needs the logits on the host (greedy without penalties does not).
     pub fn needs_logits(&self) -> bool {
         !self.params.is_greedy() || self.params.has_penalties()
+    }
+
+    /// Chooses the next token from `logits` (`[1, vocab]` on the backend) and records it:
+    /// greedy without penalties takes the backend's argmax (only the id is read back), anything
+    /// else reads the row to the host and samples there.
+    pub fn pick<B: Backend>(&mut self, backend: &B, logits: &B::Tensor) -> Result<u32> {
+        let token = if self.needs_logits() {
+            self.sample(&backend.download(logits)?)
+        } else {
+            backend
+                .argmax_rows(logits)?
+                .first()
+                .copied()
+                .ok_or_else(|| Error::Backend("argmax of empty logits".into()))?
+        };
+        self.accept(token);
+        Ok(token)
     }
 
     /// Chooses the next token from one logits row.

@@ -4,6 +4,8 @@
 //! Prompt: `tok(i) = (i * 2654435761 mod 2^32) mod vocab`. Prefill is timed from the start of
 //! prefill until the first token is known on the host; decode times `steps` single-token steps.
 //! The digest is FNV-1a-64 over the `steps` tokens after the first; stop tokens are ignored.
+//! Tokens are greedy unless `--temperature` asks for the server's sampler (seeded, so runs with
+//! the same seed draw the same tokens).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -12,6 +14,7 @@ use anyhow::Result;
 use serde_json::json;
 
 use engine::backend::ProfileMode;
+use engine::sampler::{Sampler, SamplingParams};
 
 use crate::ModelArgs;
 
@@ -43,6 +46,51 @@ pub struct BenchArgs {
     /// power-of-two bucket of the context, capped at this.
     #[arg(long)]
     pub max_seq: Option<usize>,
+    /// Pick tokens by sampling, as `lily serve` does for a request with this temperature
+    /// (0: greedy, the contract's default). Sampling reads each step's logits row to the host.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling's probability mass (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Sample among the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Drop tokens below this fraction of the most likely one's probability (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// The sampler's seed, so that runs draw the same tokens.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl BenchArgs {
+    fn sampling(&self) -> Result<SamplingParams> {
+        anyhow::ensure!(
+            self.temperature.is_finite() && (0.0..=2.0).contains(&self.temperature),
+            "--temperature must be between 0 and 2, got {}",
+            self.temperature
+        );
+        anyhow::ensure!(
+            self.top_p > 0.0 && self.top_p <= 1.0,
+            "--top-p must be above 0 and at most 1, got {}",
+            self.top_p
+        );
+        anyhow::ensure!(
+            (0.0..1.0).contains(&self.min_p),
+            "--min-p must be at least 0 and below 1, got {}",
+            self.min_p
+        );
+        Ok(SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: Some(self.seed),
+        })
+    }
 }
 
 pub fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
@@ -65,6 +113,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         !(a.profile && a.without_kernel.is_some()),
         "--profile times every kernel of a whole step; --without-kernel leaves one family out: pass one of them"
     );
+    a.sampling()?;
     let device = crate::open_device(a.model.device, a.model.threads)?;
     crate::with_engine!(device, &a.model.model, |eng| bench_on(&eng, &a))
 }
@@ -83,6 +132,7 @@ fn bench_on<B: engine::backend::Backend>(
         "--max-seq {max_seq} is below the {needed} positions the prompt and decode steps need"
     );
 
+    let sampling = a.sampling()?;
     if let Some(label) = &a.without_kernel {
         eng.backend.leave_out_of_decode(label)?;
         eprintln!(
@@ -94,17 +144,19 @@ fn bench_on<B: engine::backend::Backend>(
     {
         let warm = &prompt[..prompt.len().min(eng.prefill_chunk())];
         let mut st = eng.new_state(warm.len() + 3)?;
+        let mut sampler = Sampler::new(sampling.clone());
         let lg = eng.prefill(warm, &mut st)?;
-        let mut tok = eng.argmax(&lg)?;
+        let mut tok = sampler.pick(&eng.backend, &lg)?;
         for _ in 0..2 {
-            tok = eng.argmax(&eng.decode_step(tok, &mut st)?)?;
+            tok = sampler.pick(&eng.backend, &eng.decode_step(tok, &mut st)?)?;
         }
     }
 
+    let mut sampler = Sampler::new(sampling.clone());
     let mut state = eng.new_state(max_seq)?;
     let t0 = Instant::now();
     let logits = eng.prefill(&prompt, &mut state)?;
-    let first = eng.argmax(&logits)?;
+    let first = sampler.pick(&eng.backend, &logits)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
 
     let mut tokens = Vec::with_capacity(a.decode_steps);
@@ -113,7 +165,7 @@ fn bench_on<B: engine::backend::Backend>(
     let t1 = Instant::now();
     for _ in 0..a.decode_steps {
         let ts = Instant::now();
-        tok = eng.argmax(&eng.decode_step(tok, &mut state)?)?;
+        tok = sampler.pick(&eng.backend, &eng.decode_step(tok, &mut state)?)?;
         step_wall.push(ts.elapsed().as_secs_f64());
         tokens.push(tok);
     }
@@ -175,6 +227,17 @@ fn bench_on<B: engine::backend::Backend>(
             "decode_mode": "sequential",
             "max_seq": max_seq,
             "without_kernel": a.without_kernel,
+            "sampling": if sampling.is_greedy() {
+                json!("greedy")
+            } else {
+                json!({
+                    "temperature": sampling.temperature,
+                    "top_p": sampling.top_p,
+                    "top_k": sampling.top_k,
+                    "min_p": sampling.min_p,
+                    "seed": a.seed,
+                })
+            },
         },
         "results": {
             "prefill": {
@@ -199,12 +262,20 @@ fn bench_on<B: engine::backend::Backend>(
     }
     println!("{text}");
     eprintln!(
-        "prompt {} tokens: prefill {:.1} tok/s ({:.3} s); decode {:.2} tok/s over {} steps; digest {}",
+        "prompt {} tokens: prefill {:.1} tok/s ({:.3} s); decode {:.2} tok/s over {} steps{}; digest {}",
         a.prompt_len,
         a.prompt_len as f64 / prefill_secs,
         prefill_secs,
         a.decode_steps as f64 / decode_secs,
         a.decode_steps,
+        if sampling.is_greedy() {
+            String::new()
+        } else {
+            format!(
+                " (sampled: temperature {}, top-p {}, top-k {}, min-p {})",
+                sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p
+            )
+        },
         fnv1a64(&tokens)
     );
     Ok(())
@@ -274,6 +345,73 @@ mod tests {
                 ((2u64 * 2_654_435_761) % (1 << 32) % 248_320) as u32
             ]
         );
+    }
+
+    fn tiny_args(json_out: &std::path::Path, temperature: f32, seed: u64) -> BenchArgs {
+        BenchArgs {
+            model: ModelArgs {
+                model: PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                    .join("../../tests/fixtures/tiny-qwen3_5_moe"),
+                device: crate::DeviceArg::Cpu,
+                threads: 2,
+            },
+            prompt_len: 8,
+            decode_steps: 12,
+            json_out: Some(json_out.to_path_buf()),
+            profile: false,
+            without_kernel: None,
+            max_seq: None,
+            temperature,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed,
+        }
+    }
+
+    fn decoded(path: &std::path::Path) -> (serde_json::Value, Vec<u64>) {
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).expect("report")).expect("json");
+        let ids = report["results"]["decode"]["token_ids"]
+            .as_array()
+            .expect("token ids")
+            .iter()
+            .map(|t| t.as_u64().expect("id"))
+            .collect();
+        (report["workload"]["sampling"].clone(), ids)
+    }
+
+    #[test]
+    fn sampled_runs_repeat_with_their_seed_and_differ_from_greedy() {
+        let dir = std::env::temp_dir().join(format!("lily-bench-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let out = |name: &str| dir.join(name);
+        run(tiny_args(&out("greedy.json"), 0.0, 0)).expect("greedy bench");
+        run(tiny_args(&out("a.json"), 1.5, 7)).expect("sampled bench");
+        run(tiny_args(&out("b.json"), 1.5, 7)).expect("sampled bench again");
+        let (greedy_mode, greedy) = decoded(&out("greedy.json"));
+        let (mode, a) = decoded(&out("a.json"));
+        let (_, b) = decoded(&out("b.json"));
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(greedy_mode, serde_json::json!("greedy"));
+        assert_eq!(mode["temperature"], serde_json::json!(1.5));
+        assert_eq!(mode["seed"], serde_json::json!(7));
+        assert_eq!(a, b, "the same seed draws the same tokens");
+        // Twelve draws at temperature 1.5 over the tiny model's broad distribution all landing
+        // on the argmax would mean the sampler was never used.
+        assert_ne!(a, greedy, "sampled tokens equal the greedy ones");
+    }
+
+    #[test]
+    fn bad_sampling_flags_are_named() {
+        let mut a = tiny_args(std::path::Path::new("unused.json"), 0.7, 0);
+        a.top_p = 0.0;
+        let err = run(a).expect_err("top-p 0").to_string();
+        assert!(err.contains("--top-p"), "{err}");
+        let err = run(tiny_args(std::path::Path::new("unused.json"), -1.0, 0))
+            .expect_err("negative temperature")
+            .to_string();
+        assert!(err.contains("--temperature"), "{err}");
     }
 
     #[test]

@@ -367,16 +367,7 @@ fn run_job<B: Backend>(
             queue_ms,
         });
         let mut sampler = Sampler::new(req.sampling.clone());
-        let mut pick = |b: &B, logits: &B::Tensor| -> engine::Result<u32> {
-            let tok = if sampler.needs_logits() {
-                let row = b.download(logits)?;
-                sampler.sample(&row)
-            } else {
-                b.argmax_rows(logits)?.first().copied().unwrap_or(0)
-            };
-            sampler.accept(tok);
-            Ok(tok)
-        };
+        let mut pick = |b: &B, logits: &B::Tensor| sampler.pick(b, logits);
         let mut on_token =
             |tok: u32| events.send(GenEvent::Token(tok)).is_ok() && !cancel.load(Ordering::Relaxed);
         let suffix = &req.prompt[cached..];
