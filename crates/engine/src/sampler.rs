@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::backend::Backend;
 use crate::backend::cpu::reference::argmax;
+use crate::backend::{Backend, DeviceSample, DeviceSampling};
 use crate::error::{Error, Result};
 
 #[derive(Clone, Debug, PartialEq)]
@@ -98,11 +98,28 @@ impl Sampler {
     }
 
     /// Chooses the next token from `logits` (`[1, vocab]` on the backend) and records it:
-    /// greedy without penalties takes the backend's argmax (only the id is read back), anything
-    /// else reads the row to the host and samples there.
+    /// greedy without penalties takes the backend's argmax (only the id is read back); sampling
+    /// runs on the backend where it can (`Backend::sample`), else the row is read to the host
+    /// and sampled here. Both use the same draw from the seeded generator.
     pub fn pick<B: Backend>(&mut self, backend: &B, logits: &B::Tensor) -> Result<u32> {
         let token = if self.needs_logits() {
-            self.sample(&backend.download(logits)?)
+            let u = self.draw();
+            let penalties = self.penalties();
+            let request = DeviceSampling {
+                temperature: self.params.temperature,
+                top_k: self.params.top_k,
+                top_p: self.params.top_p,
+                min_p: self.params.min_p,
+                u,
+                penalties: &penalties,
+            };
+            match backend.sample(logits, &request)? {
+                DeviceSample::Chosen(token) => token,
+                DeviceSample::RowNeeded { penalised } => {
+                    let row = backend.download(logits)?;
+                    self.sample_with(&row, u, !penalised)
+                }
+            }
         } else {
             backend
                 .argmax_rows(logits)?
@@ -114,114 +131,156 @@ impl Sampler {
         Ok(token)
     }
 
-    /// Chooses the next token from one logits row.
+    /// The one uniform draw a sampled token takes, in [0, 1): f64 for the whole-vocabulary
+    /// path, f32 (widened exactly) for the candidates' path, as each sums its weights.
+    fn draw(&mut self) -> f64 {
+        if self.params.is_greedy() {
+            0.0
+        } else if self.params.top_k == 0 && self.params.top_p >= 1.0 {
+            self.rng.random::<f64>()
+        } else {
+            self.rng.random::<f32>() as f64
+        }
+    }
+
+    /// What the penalties subtract from each generated token's logit.
+    fn penalties(&self) -> Vec<(u32, f32)> {
+        let p = &self.params;
+        if !p.has_penalties() {
+            return Vec::new();
+        }
+        let mut out: Vec<(u32, f32)> = self
+            .counts
+            .iter()
+            .map(|(&tok, &n)| (tok, p.presence_penalty + p.frequency_penalty * n as f32))
+            .collect();
+        out.sort_unstable_by_key(|&(tok, _)| tok);
+        out
+    }
+
+    /// Chooses the next token from one logits row (drawing from the generator).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let u = self.draw();
+        self.sample_with(logits, u, true)
+    }
+
+    /// `sample` with the draw `u` given; `penalise` false when the row has them already.
+    fn sample_with(&mut self, logits: &[f32], u: f64, penalise: bool) -> u32 {
         let p = &self.params;
         let mut row;
-        let logits = if p.has_penalties() && !self.counts.is_empty() {
+        let penalties = self.penalties();
+        let logits = if penalise && !penalties.is_empty() {
             row = logits.to_vec();
-            for (&tok, &n) in &self.counts {
+            for (tok, amount) in penalties {
                 if let Some(l) = row.get_mut(tok as usize) {
-                    *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+                    *l -= amount;
                 }
             }
             &row[..]
         } else {
             logits
         };
-        if p.is_greedy() {
-            return argmax(logits);
-        }
-        let limit = if p.top_k > 0 {
-            p.top_k.min(logits.len())
-        } else {
-            logits.len()
-        };
-        if limit == logits.len() && p.top_p >= 1.0 {
-            return self.sample_whole_vocabulary(logits);
-        }
-        // Candidates (id, logit), best first, limited by top-k and the top-p prefilter.
-        let mut cand = top_candidates(logits, limit.min(TOP_P_PREFILTER));
-        let mut probs = softmax_scaled(&cand, p.temperature);
-        if limit > cand.len() && p.top_p < 1.0 {
-            // The prefilter is only exact if the nucleus fits inside it; check against the
-            // full distribution and widen when it does not.
-            let covered = covered_mass(logits, &cand, p.temperature);
-            if covered < p.top_p {
-                cand = top_candidates(logits, limit);
-                probs = softmax_scaled(&cand, p.temperature);
-            }
-        } else if limit > cand.len() {
-            cand = top_candidates(logits, limit);
-            probs = softmax_scaled(&cand, p.temperature);
-        }
-        let mut keep = cand.len();
-        if p.top_p < 1.0 {
-            let mut acc = 0.0f32;
-            for (i, pr) in probs.iter().enumerate() {
-                acc += pr;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        if p.min_p > 0.0 {
-            let floor = p.min_p * probs[0];
-            keep = keep.min(probs.iter().take_while(|&&pr| pr >= floor).count().max(1));
-        }
-        let total: f32 = probs[..keep].iter().sum();
-        let mut u = self.rng.random::<f32>() * total;
-        for (i, pr) in probs[..keep].iter().enumerate() {
-            if u < *pr {
-                return cand[i].0;
-            }
-            u -= pr;
-        }
-        cand[keep - 1].0
+        choose(p, logits, u)
     }
 }
 
-impl Sampler {
-    /// Temperature (and min-p) sampling over the whole vocabulary: one pass for the weights and
-    /// one draw, no sort (the OpenAI default `top_p = 1` must not cost a 248k-entry sort).
-    fn sample_whole_vocabulary(&mut self, logits: &[f32]) -> u32 {
-        let t = self.params.temperature;
-        let m = logits
-            .iter()
-            .copied()
-            .filter(|l| !l.is_nan())
-            .fold(f32::NEG_INFINITY, f32::max);
-        // min-p keeps tokens with p >= min_p * p_max, i.e. logit >= max + T ln(min_p).
-        let cutoff = if self.params.min_p > 0.0 {
-            m + t * self.params.min_p.ln()
-        } else {
-            f32::NEG_INFINITY
-        };
-        let weights: Vec<f32> = logits
-            .iter()
-            .map(|&l| {
-                if l >= cutoff {
-                    ((l - m) / t).exp()
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        let total: f64 = weights.iter().map(|&w| w as f64).sum();
-        let mut u = self.rng.random::<f64>() * total;
-        let mut last = argmax(logits);
-        for (i, &w) in weights.iter().enumerate() {
-            if w > 0.0 {
-                if u < w as f64 {
-                    return i as u32;
-                }
-                u -= w as f64;
-                last = i as u32;
+/// The token `Sampler` picks from a logits row (penalties already applied) with the draw `u` in
+/// [0, 1): the sampler's whole rule, without its generator, so that a backend's sampling can be
+/// tested against it with the same draw.
+pub fn choose(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
+    if p.is_greedy() {
+        return argmax(logits);
+    }
+    let limit = if p.top_k > 0 {
+        p.top_k.min(logits.len())
+    } else {
+        logits.len()
+    };
+    if limit == logits.len() && p.top_p >= 1.0 {
+        return sample_whole_vocabulary(p, logits, u);
+    }
+    // Candidates (id, logit), best first, limited by top-k and the top-p prefilter.
+    let mut cand = top_candidates(logits, limit.min(TOP_P_PREFILTER));
+    let mut probs = softmax_scaled(&cand, p.temperature);
+    if limit > cand.len() && p.top_p < 1.0 {
+        // The prefilter is only exact if the nucleus fits inside it; check against the
+        // full distribution and widen when it does not.
+        let covered = covered_mass(logits, &cand, p.temperature);
+        if covered < p.top_p {
+            cand = top_candidates(logits, limit);
+            probs = softmax_scaled(&cand, p.temperature);
+        }
+    } else if limit > cand.len() {
+        cand = top_candidates(logits, limit);
+        probs = softmax_scaled(&cand, p.temperature);
+    }
+    if cand.is_empty() {
+        return argmax(logits); // every logit NaN
+    }
+    let mut keep = cand.len();
+    if p.top_p < 1.0 {
+        let mut acc = 0.0f32;
+        for (i, pr) in probs.iter().enumerate() {
+            acc += pr;
+            if acc >= p.top_p {
+                keep = i + 1;
+                break;
             }
         }
-        last
     }
+    if p.min_p > 0.0 {
+        let floor = p.min_p * probs[0];
+        keep = keep.min(probs.iter().take_while(|&&pr| pr >= floor).count().max(1));
+    }
+    let total: f32 = probs[..keep].iter().sum();
+    let mut u = u as f32 * total;
+    for (i, pr) in probs[..keep].iter().enumerate() {
+        if u < *pr {
+            return cand[i].0;
+        }
+        u -= pr;
+    }
+    cand[keep - 1].0
+}
+
+/// Temperature (and min-p) sampling over the whole vocabulary: one pass for the weights and
+/// one draw, no sort (the OpenAI default `top_p = 1` must not cost a 248k-entry sort).
+fn sample_whole_vocabulary(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
+    let t = p.temperature;
+    let m = logits
+        .iter()
+        .copied()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    // min-p keeps tokens with p >= min_p * p_max, i.e. logit >= max + T ln(min_p).
+    let cutoff = if p.min_p > 0.0 {
+        m + t * p.min_p.ln()
+    } else {
+        f32::NEG_INFINITY
+    };
+    let weights: Vec<f32> = logits
+        .iter()
+        .map(|&l| {
+            if l >= cutoff {
+                ((l - m) / t).exp()
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let total: f64 = weights.iter().map(|&w| w as f64).sum();
+    let mut u = u * total;
+    let mut last = argmax(logits);
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            if u < w as f64 {
+                return i as u32;
+            }
+            u -= w as f64;
+            last = i as u32;
+        }
+    }
+    last
 }
 
 /// The `n` largest logits as (id, logit), sorted descending, ties to the lower id; NaN never
@@ -277,6 +336,43 @@ mod tests {
             temperature: t,
             seed: Some(7),
             ..Default::default()
+        }
+    }
+
+    #[test]
+    fn pick_through_a_backend_draws_and_penalises_as_sample_does() {
+        use crate::backend::cpu::CpuBackend;
+        let cpu = CpuBackend::new(1).expect("cpu backend");
+        let logits: Vec<f32> = (0..3000).map(|i| ((i * 53) % 211) as f32 * 0.03).collect();
+        let row = cpu.upload_tensor(&logits, 1, logits.len()).expect("upload");
+        for p in [
+            params(0.9),
+            SamplingParams {
+                top_k: 40,
+                top_p: 0.9,
+                presence_penalty: 0.4,
+                frequency_penalty: 0.3,
+                ..params(1.2)
+            },
+            SamplingParams {
+                presence_penalty: 1.0,
+                ..SamplingParams::greedy()
+            },
+        ] {
+            let (mut a, mut b) = (Sampler::new(p.clone()), Sampler::new(p.clone()));
+            let picked: Vec<u32> = (0..30).map(|_| a.pick(&cpu, &row).expect("pick")).collect();
+            let sampled: Vec<u32> = (0..30)
+                .map(|_| {
+                    let t = b.sample(&logits);
+                    b.accept(t);
+                    t
+                })
+                .collect();
+            assert_eq!(picked, sampled, "{p:?}");
+            if p.has_penalties() {
+                // The penalties pushed the first choices down, so the tokens vary.
+                assert!(picked.iter().any(|&t| t != picked[0]), "{p:?}: {picked:?}");
+            }
         }
     }
 

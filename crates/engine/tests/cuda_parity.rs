@@ -11,8 +11,11 @@ use engine::backend::cpu::reference as r;
 use engine::backend::cpu::{CpuBackend, CpuRouting};
 use engine::backend::cuda::device::CudaDevice;
 use engine::backend::cuda::{CudaBackend, CudaRouting};
-use engine::backend::{AttnShape, Backend, GdnShape, attn_prep_separately};
+use engine::backend::{
+    AttnShape, Backend, DeviceSample, DeviceSampling, GdnShape, attn_prep_separately,
+};
 use engine::checkpoint::QWeight;
+use engine::sampler::{SamplingParams, choose};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -348,6 +351,138 @@ fn argmax_takes_the_first_maximum_and_skips_nan() {
     let got = gpu.argmax_rows(&up(&gpu, &x, 4, cols)).expect("gpu");
     assert_eq!(want, vec![7, 100_000, 0, (cols - 1) as u32]);
     assert_eq!(got, want);
+}
+
+/// One sampling case: the request's parameters, the penalties, and whether the host may have to
+/// read the row (the nucleus beyond the device's 4,096 candidates, or top-k above them).
+struct SampleCase {
+    params: SamplingParams,
+    penalties: Vec<(u32, f32)>,
+    row_may_be_needed: bool,
+}
+
+fn sampling(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        ..SamplingParams::greedy()
+    }
+}
+
+#[test]
+fn sampling_matches_the_host_sampler() {
+    let Some((_cpu, gpu)) = backends_or_skip("sampling_matches_the_host_sampler") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(41);
+    // Logit rows: a peaked and a flat (uniform) row at the model's vocabulary, integer logits (ties at
+    // every threshold), NaN and -inf among them, and vocabularies below and around one block.
+    let vocab = 248_320;
+    // randn is uniform in [-scale, scale]; the fifth power gives a few dominant logits, as a
+    // trained model's row has (its 0.95 nucleus at T 0.6 is inside the top 4,096).
+    let peaked: Vec<f32> = randn(&mut rng, vocab, 1.0)
+        .iter()
+        .map(|v| 20.0 * v.powi(5))
+        .collect();
+    let flat = randn(&mut rng, vocab, 1.0);
+    let ties: Vec<f32> = randn(&mut rng, vocab, 3.0)
+        .iter()
+        .map(|v| v.round())
+        .collect();
+    let mut holes = randn(&mut rng, vocab, 6.0);
+    for i in (0..vocab).step_by(97) {
+        holes[i] = f32::NAN;
+    }
+    for i in (5..vocab).step_by(89) {
+        holes[i] = f32::NEG_INFINITY;
+    }
+    let small = randn(&mut rng, 1000, 4.0);
+    let tiny = randn(&mut rng, 5, 2.0);
+    let odd = randn(&mut rng, 1025, 4.0);
+    let rows: [(&str, &[f32]); 7] = [
+        ("peaked", &peaked),
+        ("flat", &flat),
+        ("ties", &ties),
+        ("nan/-inf", &holes),
+        ("1,000", &small),
+        ("5", &tiny),
+        ("1,025", &odd),
+    ];
+    let penalties = vec![(3, 0.5), (17, 2.0), (999, 100.0), (4_000_000, 1.0)];
+    let case = |params, penalties: &[(u32, f32)], row_may_be_needed| SampleCase {
+        params,
+        penalties: penalties.to_vec(),
+        row_may_be_needed,
+    };
+    let cases = [
+        case(sampling(1.0, 0, 1.0, 0.0), &[], false),
+        case(sampling(0.7, 0, 1.0, 0.05), &[], false),
+        case(sampling(0.7, 20, 1.0, 0.0), &[], false),
+        case(sampling(0.6, 0, 0.95, 0.0), &[], true),
+        case(sampling(0.7, 20, 0.8, 0.1), &[], false),
+        case(sampling(1.0, 5_000, 1.0, 0.0), &[], true),
+        case(sampling(1.3, 1, 1.0, 0.0), &[], false),
+        case(sampling(0.0, 0, 1.0, 0.0), &penalties, false),
+        case(sampling(0.8, 50, 1.0, 0.0), &penalties, false),
+        case(sampling(0.9, 0, 1.0, 0.0), &penalties, false),
+    ];
+    let (mut chosen, mut row_needed) = (0, 0);
+    for (name, row) in rows {
+        for c in &cases {
+            let p = &c.params;
+            let mut host_row = row.to_vec();
+            for &(t, a) in &c.penalties {
+                if let Some(l) = host_row.get_mut(t as usize) {
+                    *l -= a;
+                }
+            }
+            let whole = p.top_k == 0 && p.top_p >= 1.0;
+            for _ in 0..6 {
+                let u = if whole {
+                    rng.random::<f64>()
+                } else {
+                    rng.random::<f32>() as f64
+                };
+                let t = up(&gpu, row, 1, row.len());
+                let req = DeviceSampling {
+                    temperature: p.temperature,
+                    top_k: p.top_k,
+                    top_p: p.top_p,
+                    min_p: p.min_p,
+                    u,
+                    penalties: &c.penalties,
+                };
+                let what = format!("{name} row, {p:?}, u {u}");
+                match gpu.sample(&t, &req).expect("gpu sample") {
+                    DeviceSample::Chosen(tok) => {
+                        assert_eq!(tok, choose(p, &host_row, u), "{what}");
+                        chosen += 1;
+                    }
+                    DeviceSample::RowNeeded { penalised } => {
+                        // The peaked row's nucleus fits the candidates: only top-k above them
+                        // sends it back.
+                        let may = c.row_may_be_needed && (name != "peaked" || p.top_k > 4096);
+                        assert!(may, "{what}: the device asked for the row");
+                        assert_eq!(penalised, !c.penalties.is_empty(), "{what}");
+                        row_needed += 1;
+                    }
+                }
+                // The penalties are applied to the device's row in place, as the host would.
+                let got = down(&gpu, &t);
+                let same = got
+                    .iter()
+                    .zip(&host_row)
+                    .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+                assert!(same, "{what}: the penalised row differs");
+            }
+        }
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "sampling: {chosen} tokens chosen on the device, equal to the host's; {row_needed} rows read back"
+    );
 }
 
 const GDN_SHAPES: [GdnShape; 2] = [

@@ -58,6 +58,29 @@ pub struct KernelCost {
     pub weight_bytes: u64,
 }
 
+/// One sampled token asked of the backend (`Backend::sample`): the request's parameters and
+/// the draw in [0, 1) the host took from its seeded generator, with what the penalties subtract
+/// from each generated token's logit.
+#[derive(Clone, Debug)]
+pub struct DeviceSampling<'a> {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub u: f64,
+    pub penalties: &'a [(u32, f32)],
+}
+
+/// What `Backend::sample` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSample {
+    /// The token, chosen where the logits are (only its id was read back).
+    Chosen(u32),
+    /// The host must read the row and sample it; `penalised` says whether the penalties have
+    /// already been applied to the row.
+    RowNeeded { penalised: bool },
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// A 2-D activation `[rows, cols]` (rows = tokens), device-resident.
     type Tensor: Send;
@@ -372,6 +395,13 @@ pub trait Backend: Send + Sync + 'static {
         let _ = mode;
         run()?;
         Ok(None)
+    }
+
+    /// Samples one token from `logits` (`[1, vocab]`) as `engine::sampler::Sampler` does on
+    /// the host, with the host's draw `req.u`. The default asks for the row.
+    fn sample(&self, logits: &Self::Tensor, req: &DeviceSampling) -> Result<DeviceSample> {
+        let _ = (logits, req);
+        Ok(DeviceSample::RowNeeded { penalised: false })
     }
 
     /// One single-token decode step feeding `token` at `state.pos`: `forward` runs the model

@@ -20,7 +20,8 @@ use cudarc::driver::{
 
 use self::device::{CudaDevice, driver};
 use super::{
-    AttnShape, Backend, GdnShape, KernelCost, ProfileMode, products, route_tokens_separately,
+    AttnShape, Backend, DeviceSample, DeviceSampling, GdnShape, KernelCost, ProfileMode, products,
+    route_tokens_separately,
 };
 use crate::backend::cpu::reference::GDN_L2_EPS;
 use crate::checkpoint::QWeight;
@@ -323,6 +324,9 @@ struct Kernels {
     add_sigmoid_gated: CudaFunction,
     split_q_gate: CudaFunction,
     argmax_rows: CudaFunction,
+    /// Token sampling on the device (kernels/sample.cu); `None` with `LILY_CUDA_SAMPLE=0`, when
+    /// the host samples the row read back (to compare the two).
+    sample_token: Option<CudaFunction>,
     conv1d_silu: CudaFunction,
     /// Key dims 64, 128, 256.
     gdn_recurrence: [CudaFunction; 3],
@@ -472,6 +476,11 @@ impl Kernels {
             add_sigmoid_gated: f("pointwise", "add_sigmoid_gated")?,
             split_q_gate: f("pointwise", "split_q_gate")?,
             argmax_rows: f("pointwise", "argmax_rows")?,
+            sample_token: if std::env::var("LILY_CUDA_SAMPLE").is_ok_and(|v| v == "0") {
+                None
+            } else {
+                Some(f("sample", "sample_token")?)
+            },
             conv1d_silu: f("gdn", "conv1d_silu")?,
             gdn_recurrence: [
                 f("gdn", "gdn_recurrence_k64")?,
@@ -2842,6 +2851,52 @@ impl Backend for CudaBackend {
             .into_iter()
             .map(|k| if k == 0 { 0 } else { u32::MAX - k as u32 })
             .collect())
+    }
+
+    fn sample(&self, logits: &CudaTensor, req: &DeviceSampling) -> Result<DeviceSample> {
+        let Some(sample_token) = &self.k.sample_token else {
+            return Ok(DeviceSample::RowNeeded { penalised: false });
+        };
+        plain!(self, logits);
+        if logits.rows != 1 || logits.cols == 0 || logits.cols > i32::MAX as usize {
+            return Err(Error::Backend(format!(
+                "sampling takes one logits row, got {} x {}",
+                logits.rows, logits.cols
+            )));
+        }
+        let n = logits.cols;
+        let ids: Vec<u32> = req.penalties.iter().map(|&(t, _)| t).collect();
+        let amounts: Vec<f32> = req.penalties.iter().map(|&(_, a)| a).collect();
+        let (ids, amounts) = (self.upload(&ids)?, self.upload(&amounts)?);
+        let out = self.tmp::<i32>(2)?;
+        let limit = if req.top_k > 0 { req.top_k.min(n) } else { n };
+        // kernels/sample.cu: one block of SAMPLE_THREADS (1,024) threads.
+        launch!(
+            self,
+            sample_token,
+            cfg((1, 1), 1024, 0),
+            [
+                self.ptr(&logits.buf),
+                n as i32,
+                self.ptr(&ids),
+                self.ptr(&amounts),
+                req.penalties.len() as i32,
+                req.temperature,
+                limit as i32,
+                req.top_p,
+                req.min_p,
+                req.u,
+                out.ptr
+            ]
+        )?;
+        let got = self.download_buf(&out)?;
+        Ok(if got[1] == 0 {
+            DeviceSample::Chosen(got[0] as u32)
+        } else {
+            DeviceSample::RowNeeded {
+                penalised: !req.penalties.is_empty(),
+            }
+        })
     }
 
     fn conv1d_silu(

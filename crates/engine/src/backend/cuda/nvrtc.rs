@@ -37,6 +37,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("pointwise", family!("kernels/pointwise.cu")),
     ("gdn", family!("kernels/gdn.cu")),
     ("attention", family!("kernels/attention.cu")),
+    ("sample", family!("kernels/sample.cu")),
 ];
 
 /// The architectures CI compiles every kernel for: the oldest supported and Hopper.
