@@ -122,11 +122,7 @@ impl<B: Backend> Engine<B> {
 
     /// Greedy choice from a logits row.
     pub fn argmax(&self, logits: &B::Tensor) -> Result<u32> {
-        self.backend
-            .argmax_rows(logits)?
-            .first()
-            .copied()
-            .ok_or_else(|| Error::Backend("argmax of empty logits".into()))
+        self.backend.argmax_row(logits)
     }
 
     /// Prefills `prompt` (continuing `state`), then decodes until a stop token, `max_tokens`,

@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::backend::cpu::reference::argmax;
 use crate::backend::{Backend, DeviceSample, DeviceSampling};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -106,10 +106,7 @@ impl Sampler {
             let u = self.draw();
             let penalties = self.penalties();
             let request = DeviceSampling {
-                temperature: self.params.temperature,
-                top_k: self.params.top_k,
-                top_p: self.params.top_p,
-                min_p: self.params.min_p,
+                params: &self.params,
                 u,
                 penalties: &penalties,
             };
@@ -117,15 +114,12 @@ impl Sampler {
                 DeviceSample::Chosen(token) => token,
                 DeviceSample::RowNeeded { penalised } => {
                     let row = backend.download(logits)?;
-                    self.sample_with(&row, u, !penalised)
+                    let still_to_apply: &[(u32, f32)] = if penalised { &[] } else { &penalties };
+                    sample_with(&self.params, &row, u, still_to_apply)
                 }
             }
         } else {
-            backend
-                .argmax_rows(logits)?
-                .first()
-                .copied()
-                .ok_or_else(|| Error::Backend("argmax of empty logits".into()))?
+            backend.argmax_row(logits)?
         };
         self.accept(token);
         Ok(token)
@@ -161,27 +155,22 @@ impl Sampler {
     /// Chooses the next token from one logits row (drawing from the generator).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let u = self.draw();
-        self.sample_with(logits, u, true)
+        sample_with(&self.params, logits, u, &self.penalties())
     }
+}
 
-    /// `sample` with the draw `u` given; `penalise` false when the row has them already.
-    fn sample_with(&mut self, logits: &[f32], u: f64, penalise: bool) -> u32 {
-        let p = &self.params;
-        let mut row;
-        let penalties = self.penalties();
-        let logits = if penalise && !penalties.is_empty() {
-            row = logits.to_vec();
-            for (tok, amount) in penalties {
-                if let Some(l) = row.get_mut(tok as usize) {
-                    *l -= amount;
-                }
-            }
-            &row[..]
-        } else {
-            logits
-        };
-        choose(p, logits, u)
+/// `choose` on the row with `penalties` subtracted first (none when the row has them already).
+fn sample_with(p: &SamplingParams, logits: &[f32], u: f64, penalties: &[(u32, f32)]) -> u32 {
+    if penalties.is_empty() {
+        return choose(p, logits, u);
     }
+    let mut row = logits.to_vec();
+    for &(tok, amount) in penalties {
+        if let Some(l) = row.get_mut(tok as usize) {
+            *l -= amount;
+        }
+    }
+    choose(p, &row, u)
 }
 
 /// The token `Sampler` picks from a logits row (penalties already applied) with the draw `u` in

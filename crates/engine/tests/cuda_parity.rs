@@ -373,7 +373,7 @@ fn sampling(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingP
 
 #[test]
 fn sampling_matches_the_host_sampler() {
-    let Some((_cpu, gpu)) = backends_or_skip("sampling_matches_the_host_sampler") else {
+    let Some(gpu) = cuda_or_skip("sampling_matches_the_host_sampler") else {
         return;
     };
     let mut rng = StdRng::seed_from_u64(41);
@@ -447,10 +447,7 @@ fn sampling_matches_the_host_sampler() {
                 };
                 let t = up(&gpu, row, 1, row.len());
                 let req = DeviceSampling {
-                    temperature: p.temperature,
-                    top_k: p.top_k,
-                    top_p: p.top_p,
-                    min_p: p.min_p,
+                    params: p,
                     u,
                     penalties: &c.penalties,
                 };

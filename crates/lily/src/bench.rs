@@ -47,7 +47,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub max_seq: Option<usize>,
     /// Pick tokens by sampling, as `lily serve` does for a request with this temperature
-    /// (0: greedy, the contract's default). Sampling reads each step's logits row to the host.
+    /// (0: greedy, the contract's default).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
     /// Nucleus sampling's probability mass (1: off).
@@ -113,14 +113,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
         !(a.profile && a.without_kernel.is_some()),
         "--profile times every kernel of a whole step; --without-kernel leaves one family out: pass one of them"
     );
-    a.sampling()?;
+    let sampling = a.sampling()?;
     let device = crate::open_device(a.model.device, a.model.threads)?;
-    crate::with_engine!(device, &a.model.model, |eng| bench_on(&eng, &a))
+    crate::with_engine!(device, &a.model.model, |eng| bench_on(&eng, &a, &sampling))
 }
 
 fn bench_on<B: engine::backend::Backend>(
     eng: &engine::generate::Engine<B>,
     a: &BenchArgs,
+    sampling: &SamplingParams,
 ) -> Result<()> {
     let vocab = eng.config().vocab_size;
     let prompt = bench_prompt(a.prompt_len, vocab);
@@ -132,7 +133,6 @@ fn bench_on<B: engine::backend::Backend>(
         "--max-seq {max_seq} is below the {needed} positions the prompt and decode steps need"
     );
 
-    let sampling = a.sampling()?;
     if let Some(label) = &a.without_kernel {
         eng.backend.leave_out_of_decode(label)?;
         eprintln!(

@@ -10,6 +10,7 @@ pub mod cuda;
 use crate::checkpoint::QWeight;
 use crate::error::{Error, Result};
 use crate::model::state::DecodeState;
+use crate::sampler::SamplingParams;
 
 /// Shape facts of one Gated DeltaNet layer that the ops need.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,13 +61,10 @@ pub struct KernelCost {
 
 /// One sampled token asked of the backend (`Backend::sample`): the request's parameters and
 /// the draw in [0, 1) the host took from its seeded generator, with what the penalties subtract
-/// from each generated token's logit.
+/// from each generated token's logit (the parameters' own penalty fields are not read).
 #[derive(Clone, Debug)]
 pub struct DeviceSampling<'a> {
-    pub temperature: f32,
-    pub top_k: usize,
-    pub top_p: f32,
-    pub min_p: f32,
+    pub params: &'a SamplingParams,
     pub u: f64,
     pub penalties: &'a [(u32, f32)],
 }
@@ -164,6 +162,13 @@ pub trait Backend: Send + Sync + 'static {
     fn last_row(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
     /// First index of the maximum of each row (NaN never wins), read back to the host.
     fn argmax_rows(&self, x: &Self::Tensor) -> Result<Vec<u32>>;
+    /// `argmax_rows` of a one-row tensor (a logits row): the greedy token.
+    fn argmax_row(&self, x: &Self::Tensor) -> Result<u32> {
+        self.argmax_rows(x)?
+            .first()
+            .copied()
+            .ok_or_else(|| Error::Backend("argmax of empty logits".into()))
+    }
 
     // ---- Gated DeltaNet
     /// Causal depthwise conv over `x` `[T, C]` continuing from the state's window (taps

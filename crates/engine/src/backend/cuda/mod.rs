@@ -2864,12 +2864,21 @@ impl Backend for CudaBackend {
                 logits.rows, logits.cols
             )));
         }
-        let n = logits.cols;
-        let ids: Vec<u32> = req.penalties.iter().map(|&(t, _)| t).collect();
-        let amounts: Vec<f32> = req.penalties.iter().map(|&(_, a)| a).collect();
-        let (ids, amounts) = (self.upload(&ids)?, self.upload(&amounts)?);
+        let (n, p) = (logits.cols, req.params);
+        // The penalties' ids and amounts, uploaded only when there are any (null pointers else:
+        // the kernel reads none).
+        let penalties = if req.penalties.is_empty() {
+            None
+        } else {
+            let ids: Vec<u32> = req.penalties.iter().map(|&(t, _)| t).collect();
+            let amounts: Vec<f32> = req.penalties.iter().map(|&(_, a)| a).collect();
+            Some((self.upload(&ids)?, self.upload(&amounts)?))
+        };
+        let (ids, amounts) = penalties
+            .as_ref()
+            .map_or((0, 0), |(i, a)| (self.ptr(i), self.ptr(a)));
         let out = self.tmp::<i32>(2)?;
-        let limit = if req.top_k > 0 { req.top_k.min(n) } else { n };
+        let limit = if p.top_k > 0 { p.top_k.min(n) } else { n };
         // kernels/sample.cu: one block of SAMPLE_THREADS (1,024) threads.
         launch!(
             self,
@@ -2878,13 +2887,13 @@ impl Backend for CudaBackend {
             [
                 self.ptr(&logits.buf),
                 n as i32,
-                self.ptr(&ids),
-                self.ptr(&amounts),
+                ids,
+                amounts,
                 req.penalties.len() as i32,
-                req.temperature,
+                p.temperature,
                 limit as i32,
-                req.top_p,
-                req.min_p,
+                p.top_p,
+                p.min_p,
                 req.u,
                 out.ptr
             ]

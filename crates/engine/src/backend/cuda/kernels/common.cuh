@@ -76,13 +76,17 @@ __device__ __forceinline__ float moe_mix(const float* weights, int top_k, const 
     return acc;
 }
 
-// (value, index) packed in a u64 that orders as "larger value, then lower index" (NaN excluded by
-// the callers): the value's bits made monotonic in the high half, the index's complement in the
-// low half. Argmax and top-k compare these with plain integer max.
-__device__ __forceinline__ u64 pack_max(float v, int i) {
+// A float's bits made monotonic: larger (non-NaN) values give larger unsigned integers.
+__device__ __forceinline__ u32 ordered_bits(float v) {
     const u32 b = __float_as_uint(v);
-    const u32 ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-    return ((u64)ordered << 32) | (u64)(0xffffffffu - (u32)i);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// (value, index) packed in a u64 that orders as "larger value, then lower index" (NaN excluded by
+// the callers): ordered_bits in the high half, the index's complement in the low half. Argmax and
+// top-k compare these with plain integer max.
+__device__ __forceinline__ u64 pack_max(float v, int i) {
+    return ((u64)ordered_bits(v) << 32) | (u64)(0xffffffffu - (u32)i);
 }
 
 __device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(((u32)v) << 16); }

@@ -20,11 +20,7 @@
 constexpr int SAMPLE_THREADS = 1024;
 constexpr int SAMPLE_MAX_CAND = 4096;  // sampler.rs TOP_P_PREFILTER
 
-__device__ __forceinline__ u32 ordered_bits(float v) {
-    const u32 b = __float_as_uint(v);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
+// The inverse of common.cuh's ordered_bits.
 __device__ __forceinline__ float from_ordered_bits(u32 o) {
     return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
 }
