@@ -3,11 +3,12 @@
 use std::path::Path;
 use std::time::Instant;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, QueuedStep, StepInput};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::qwen3_5_moe::{Logits, Qwen35Moe};
 use crate::model::state::DecodeState;
+use crate::sampler::Sampler;
 
 /// A loaded model on a backend.
 pub struct Engine<B: Backend> {
@@ -42,8 +43,17 @@ pub struct Generation {
     pub finish: FinishReason,
     pub prefill_secs: f64,
     pub decode_secs: f64,
-    /// Tokens fed through the model during decode (the last generated token is not fed).
+    /// Tokens fed through the model during decode: all but the last generated token, and the
+    /// last too where a chained step feeding it was already queued when generation stopped
+    /// (the state has then consumed it).
     pub decode_fed: usize,
+}
+
+impl Generation {
+    /// Tokens chosen by decode steps (every token after the first), for decode speed.
+    pub fn decode_tokens(&self) -> usize {
+        self.tokens.len().saturating_sub(1)
+    }
 }
 
 impl<B: Backend> Engine<B> {
@@ -125,27 +135,64 @@ impl<B: Backend> Engine<B> {
         self.backend.argmax_row(logits)
     }
 
+    /// Whether `generate` chains its decode steps with `sampler`: the backend chains them, the
+    /// sampler needs no penalties (they count tokens the host has not read yet), and its choice
+    /// never needs the whole row (`SamplingParams::choice_is_bounded`).
+    pub fn chains_decode(&self, sampler: &Sampler) -> bool {
+        let p = sampler.params();
+        !p.has_penalties()
+            && p.choice_is_bounded(self.model.cfg.vocab_size)
+            && self.backend.chains_decode(p)
+    }
+
+    /// Queues a chained decode step feeding `input` that chooses the next token with
+    /// `sampler`'s parameters and next draw.
+    fn queue_step(
+        &self,
+        input: StepInput,
+        sampler: &mut Sampler,
+        state: &mut DecodeState<B>,
+    ) -> Result<QueuedStep> {
+        if let StepInput::Host(token) = input {
+            self.check_tokens(&[token])?;
+        }
+        let choice = sampler.device_choice();
+        self.backend
+            .queue_decode_step(state, input, &choice, &mut |st, token| {
+                self.logits_for(&[token], st)
+            })
+    }
+
     /// Prefills `prompt` (continuing `state`), then decodes until a stop token, `max_tokens`,
-    /// or `on_token` returns false. `pick` chooses each token from the logits.
+    /// or `on_token` returns false, each token chosen by `sampler`.
+    ///
+    /// Where the backend chains steps (`chains_decode`), each step is queued before the host
+    /// reads the token of the step before it, which the device feeds on its own: the GPU never
+    /// waits for the host. A step is not queued for a token known to be the last (`max_tokens`);
+    /// a stop token or a cancel comes after its step was queued, so the state has then consumed
+    /// the last token too (`Generation::decode_fed`).
     pub fn generate(
         &self,
         prompt: &[u32],
         max_tokens: usize,
         stop_ids: &[u32],
         state: &mut DecodeState<B>,
-        pick: &mut dyn FnMut(&B, &B::Tensor) -> Result<u32>,
+        sampler: &mut Sampler,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Generation> {
         if max_tokens == 0 {
             return Err(Error::invalid("max_tokens must be at least 1"));
         }
         let t0 = Instant::now();
-        let mut logits = self.prefill(prompt, state)?;
-        let mut token = pick(&self.backend, &logits)?;
+        let logits = self.prefill(prompt, state)?;
+        let mut token = sampler.pick(&self.backend, &logits)?;
         let prefill_secs = t0.elapsed().as_secs_f64();
+        let chained = self.chains_decode(sampler);
         let t1 = Instant::now();
         let mut tokens = Vec::new();
         let mut decode_fed = 0;
+        // When chained: the queued step that feeds `token`, if already queued.
+        let mut queued: Option<QueuedStep> = None;
         let finish = loop {
             tokens.push(token);
             let go_on = on_token(token);
@@ -158,10 +205,26 @@ impl<B: Backend> Engine<B> {
             if !go_on {
                 break FinishReason::Cancelled;
             }
-            logits = self.decode_step(token, state)?;
             decode_fed += 1;
-            token = pick(&self.backend, &logits)?;
+            if chained {
+                let feeding = match queued.take() {
+                    Some(q) => q,
+                    None => self.queue_step(StepInput::Host(token), sampler, state)?,
+                };
+                if tokens.len() + 1 < max_tokens {
+                    queued = Some(self.queue_step(StepInput::Chosen, sampler, state)?);
+                }
+                token = self.backend.chosen_token(feeding)?;
+                sampler.accept(token);
+            } else {
+                let logits = self.decode_step(token, state)?;
+                token = sampler.pick(&self.backend, &logits)?;
+            }
         };
+        if queued.is_some() {
+            // That step has fed the last token; what it chose is never read.
+            decode_fed += 1;
+        }
         Ok(Generation {
             tokens,
             finish,

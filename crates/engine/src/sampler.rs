@@ -57,6 +57,18 @@ impl SamplingParams {
     pub fn has_penalties(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
+    /// Whether `choose` decides, whatever the row, from one pass over it or from its
+    /// `TOP_P_PREFILTER` best candidates: greedy, the whole vocabulary at top-p 1, or a top-k of
+    /// at most `TOP_P_PREFILTER`. Top-p under a wider top-k (or none) can need the whole row
+    /// sorted (a nucleus past the prefilter), which a device sampler leaves to the host.
+    pub fn choice_is_bounded(&self, vocab: usize) -> bool {
+        let limit = if self.top_k > 0 {
+            self.top_k.min(vocab)
+        } else {
+            vocab
+        };
+        self.is_greedy() || (limit == vocab && self.top_p >= 1.0) || limit <= TOP_P_PREFILTER
+    }
 }
 
 /// Candidates examined before falling back to a full sort for top-p: enough for any realistic
@@ -123,6 +135,18 @@ impl Sampler {
         };
         self.accept(token);
         Ok(token)
+    }
+
+    /// What a chained decode step chooses with on the device (`Backend::queue_decode_step`):
+    /// the parameters and the next token's draw. Penalties are never chained (they count the
+    /// tokens, which the host has not read yet); `accept` each token once it is read.
+    pub fn device_choice(&mut self) -> DeviceSampling<'_> {
+        let u = self.draw();
+        DeviceSampling {
+            params: &self.params,
+            u,
+            penalties: &[],
+        }
     }
 
     /// The one uniform draw a sampled token takes, in [0, 1): f64 for the whole-vocabulary
@@ -452,6 +476,24 @@ mod tests {
             ..params(1.0)
         });
         assert!((0..2000).all(|_| s.sample(&logits) != 0));
+    }
+
+    #[test]
+    fn bounded_choices_are_those_the_candidates_or_one_pass_decide() {
+        let vocab = 248_320;
+        let with = |top_k, top_p| SamplingParams {
+            top_k,
+            top_p,
+            ..params(0.7)
+        };
+        assert!(SamplingParams::greedy().choice_is_bounded(vocab));
+        assert!(with(0, 1.0).choice_is_bounded(vocab), "the whole row, one pass");
+        assert!(with(vocab + 5, 1.0).choice_is_bounded(vocab), "top-k past the row");
+        assert!(with(20, 0.8).choice_is_bounded(vocab));
+        assert!(with(TOP_P_PREFILTER, 0.5).choice_is_bounded(vocab));
+        assert!(!with(0, 0.95).choice_is_bounded(vocab), "a nucleus may pass the prefilter");
+        assert!(!with(TOP_P_PREFILTER + 1, 1.0).choice_is_bounded(vocab));
+        assert!(with(0, 0.95).choice_is_bounded(TOP_P_PREFILTER), "a small vocabulary");
     }
 
     #[test]

@@ -13,6 +13,7 @@ use common::cuda_or_skip;
 use engine::backend::Backend;
 use engine::backend::cpu::CpuBackend;
 use engine::generate::Engine;
+use engine::sampler::{Sampler, SamplingParams};
 use serde_json::Value;
 
 mod common;
@@ -279,4 +280,128 @@ fn cuda_recorded_decode_steps_match_the_cpu_across_context_buckets() {
     }
     assert_eq!(sg.pos, sc.pos);
     eprintln!("recorded decode over positions 1000..1040: worst |Δlogit| {worst:.2e}");
+}
+
+#[test]
+fn chained_decode_matches_stepwise_decode_on_the_cpu() {
+    // The CPU backend chains steps only when asked (`CpuBackend::chaining`): the loop and what
+    // it does to the state, checked where there is no GPU.
+    let cpu = CpuBackend::chaining(2).expect("cpu backend");
+    let eng = Engine::load(&fixture("tiny-qwen3_5_moe"), cpu).expect("load");
+    chained_decode_matches_stepwise_decode(&eng, 24, 12);
+}
+
+#[test]
+fn cuda_chained_decode_matches_stepwise_decode() {
+    // On the GPU each step is queued before the token of the one before it is read, the device
+    // feeding its own choice. 1,000 prompt tokens: the chained steps cross the first context
+    // bucket, so a step is recorded anew while the one before it is still queued.
+    let Some(gpu) = cuda_or_skip("cuda_chained_decode_matches_stepwise_decode") else {
+        return;
+    };
+    let eng = Engine::load(&fixture("tiny-qwen3_5_moe"), gpu).expect("load on cuda");
+    chained_decode_matches_stepwise_decode(&eng, 1000, 40);
+}
+
+/// Chained decode (`Engine::generate` where the backend chains) against one step at a time on
+/// the same backend, for greedy and sampled choices: the same tokens, the same state; then a
+/// stop token, which the chained state has consumed (its step was queued before it was read).
+fn chained_decode_matches_stepwise_decode<B: Backend>(
+    eng: &Engine<B>,
+    prompt_len: u64,
+    max_tokens: usize,
+) {
+    let vocab = eng.config().vocab_size as u64;
+    let prompt: Vec<u32> = (0..prompt_len)
+        .map(|i| ((i * 2_654_435_761) % (1 << 32) % vocab) as u32)
+        .collect();
+    let params = [
+        SamplingParams::greedy(),
+        SamplingParams {
+            temperature: 1.0,
+            seed: Some(5),
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 0.8,
+            seed: Some(6),
+            ..Default::default()
+        },
+    ];
+    let capacity = prompt.len() + max_tokens + 1;
+    for p in params {
+        let mut chained = Sampler::new(p.clone());
+        if !eng.chains_decode(&chained) {
+            eprintln!("SKIPPED: {p:?} is not chained here (LILY_CUDA_CHAIN=0?)");
+            continue;
+        }
+        let mut sa = eng.new_state(capacity).expect("state");
+        let g = eng
+            .generate(&prompt, max_tokens, &[], &mut sa, &mut chained, &mut |_| {
+                true
+            })
+            .expect("chained generate");
+        // One step at a time: decode_step, then the sampler reads back its choice.
+        let mut stepwise = Sampler::new(p.clone());
+        let mut sb = eng.new_state(capacity).expect("state");
+        let logits = eng.prefill(&prompt, &mut sb).expect("prefill");
+        let mut want = vec![stepwise.pick(&eng.backend, &logits).expect("pick")];
+        while want.len() < max_tokens {
+            let logits = eng
+                .decode_step(*want.last().unwrap(), &mut sb)
+                .expect("step");
+            want.push(stepwise.pick(&eng.backend, &logits).expect("pick"));
+        }
+        assert_eq!(g.tokens, want, "{p:?}");
+        assert_eq!(g.decode_fed, max_tokens - 1, "the last token is not fed");
+        assert_eq!(sa.pos, sb.pos);
+
+        // Stop at the 11th token's first appearance: the state has consumed it, and the next
+        // step from there equals the stepwise state's, fed the same tokens.
+        let stop = g.tokens[10];
+        let first_stop = g.tokens.iter().position(|&t| t == stop).unwrap();
+        let mut sampler = Sampler::new(p.clone());
+        let mut sc = eng.new_state(capacity).expect("state");
+        let s = eng
+            .generate(
+                &prompt,
+                max_tokens,
+                &[stop],
+                &mut sc,
+                &mut sampler,
+                &mut |_| true,
+            )
+            .expect("generate to a stop");
+        assert_eq!(s.tokens, g.tokens[..=first_stop], "{p:?}");
+        assert_eq!(
+            s.decode_fed,
+            s.tokens.len(),
+            "the stop token's step was queued"
+        );
+        assert_eq!(sc.pos, prompt.len() + s.tokens.len());
+        let mut sd = eng.new_state(capacity).expect("state");
+        eng.prefill(&prompt, &mut sd).expect("prefill");
+        for &t in &s.tokens {
+            eng.decode_step(t, &mut sd).expect("step");
+        }
+        let next = 7;
+        let c = eng
+            .backend
+            .download(&eng.decode_step(next, &mut sc).expect("step"));
+        let d = eng
+            .backend
+            .download(&eng.decode_step(next, &mut sd).expect("step"));
+        assert_eq!(
+            c.expect("download"),
+            d.expect("download"),
+            "{p:?}: after the stop"
+        );
+        eprintln!(
+            "chained {p:?}: {} tokens equal to stepwise; stopped after {}",
+            g.tokens.len(),
+            s.tokens.len()
+        );
+    }
 }

@@ -145,31 +145,40 @@ fn bench_on<B: engine::backend::Backend>(
         let warm = &prompt[..prompt.len().min(eng.prefill_chunk())];
         let mut st = eng.new_state(warm.len() + 3)?;
         let mut sampler = Sampler::new(sampling.clone());
-        let lg = eng.prefill(warm, &mut st)?;
-        let mut tok = sampler.pick(&eng.backend, &lg)?;
-        for _ in 0..2 {
-            tok = sampler.pick(&eng.backend, &eng.decode_step(tok, &mut st)?)?;
-        }
+        eng.generate(warm, 3, &[], &mut st, &mut sampler, &mut |_| true)?;
     }
 
+    // The server's loop (`Engine::generate`), without stop tokens: prefill until the first token
+    // is on the host, then `decode_steps` more, each timed from the token before it.
     let mut sampler = Sampler::new(sampling.clone());
+    let chained = eng.chains_decode(&sampler);
     let mut state = eng.new_state(max_seq)?;
-    let t0 = Instant::now();
-    let logits = eng.prefill(&prompt, &mut state)?;
-    let first = sampler.pick(&eng.backend, &logits)?;
-    let prefill_secs = t0.elapsed().as_secs_f64();
-
-    let mut tokens = Vec::with_capacity(a.decode_steps);
-    let mut step_wall = Vec::with_capacity(a.decode_steps);
-    let mut tok = first;
-    let t1 = Instant::now();
-    for _ in 0..a.decode_steps {
-        let ts = Instant::now();
-        tok = sampler.pick(&eng.backend, &eng.decode_step(tok, &mut state)?)?;
-        step_wall.push(ts.elapsed().as_secs_f64());
-        tokens.push(tok);
-    }
-    let decode_secs = t1.elapsed().as_secs_f64();
+    let mut arrivals = Vec::with_capacity(a.decode_steps + 1);
+    let g = eng.generate(
+        &prompt,
+        a.decode_steps + 1,
+        &[],
+        &mut state,
+        &mut sampler,
+        &mut |_| {
+            arrivals.push(Instant::now());
+            true
+        },
+    )?;
+    anyhow::ensure!(
+        g.tokens.len() == a.decode_steps + 1,
+        "decode stopped after {} of {} tokens",
+        g.tokens.len(),
+        a.decode_steps + 1
+    );
+    let (prefill_secs, decode_secs) = (g.prefill_secs, g.decode_secs);
+    let first = g.tokens[0];
+    let tokens = g.tokens[1..].to_vec();
+    let step_wall: Vec<f64> = arrivals
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64())
+        .collect();
+    let tok = *g.tokens.last().expect("at least one token");
     let (profile, prefill_profile) = if a.profile {
         let costs = eng.backend.profile(ProfileMode::Isolated, &mut || {
             let lg = eng.decode_step(tok, &mut state)?;
@@ -224,7 +233,8 @@ fn bench_on<B: engine::backend::Backend>(
             "prompt_len": a.prompt_len,
             "prompt_kind": "u32_golden_ratio_hash_mod_vocab",
             "decode_steps": a.decode_steps,
-            "decode_mode": "sequential",
+            // chained: each step queued before the token of the one before it is read.
+            "decode_mode": if chained { "chained" } else { "sequential" },
             "max_seq": max_seq,
             "without_kernel": a.without_kernel,
             "sampling": if sampling.is_greedy() {

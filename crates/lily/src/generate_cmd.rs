@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use engine::chat::ChatTemplate;
+use engine::sampler::{Sampler, SamplingParams};
 use engine::tokenizer::Tokenizer;
 use serde_json::json;
 
@@ -80,7 +81,7 @@ fn generate_on<B: engine::backend::Backend>(
         None => eng.config().eos_token_ids.clone(),
     };
     let mut state = eng.new_state(prompt_ids.len() + a.max_tokens + 1)?;
-    let mut pick = |_: &_, logits: &_| eng.argmax(logits);
+    let mut sampler = Sampler::new(SamplingParams::greedy());
     let streaming = !a.json;
     let mut stream = tokenizer.map(|t| t.stream_decoder());
     let mut on_token = |tok: u32| {
@@ -99,7 +100,7 @@ fn generate_on<B: engine::backend::Backend>(
         a.max_tokens,
         &stop_ids,
         &mut state,
-        &mut pick,
+        &mut sampler,
         &mut on_token,
     )?;
     let text = match tokenizer {
@@ -107,7 +108,7 @@ fn generate_on<B: engine::backend::Backend>(
         None => None,
     };
     if a.json {
-        let decode_steps = g.decode_fed;
+        let decode_steps = g.decode_tokens();
         let out = json!({
             "prompt_ids": prompt_ids,
             "tokens": g.tokens,
@@ -135,7 +136,7 @@ fn generate_on<B: engine::backend::Backend>(
             prompt_ids.len(),
             prompt_ids.len() as f64 / g.prefill_secs.max(1e-9),
             g.tokens.len(),
-            g.decode_fed as f64 / g.decode_secs.max(1e-9),
+            g.decode_tokens() as f64 / g.decode_secs.max(1e-9),
             g.finish.as_str()
         );
     }

@@ -367,7 +367,6 @@ fn run_job<B: Backend>(
             queue_ms,
         });
         let mut sampler = Sampler::new(req.sampling.clone());
-        let mut pick = |b: &B, logits: &B::Tensor| sampler.pick(b, logits);
         let mut on_token =
             |tok: u32| events.send(GenEvent::Token(tok)).is_ok() && !cancel.load(Ordering::Relaxed);
         let suffix = &req.prompt[cached..];
@@ -391,7 +390,7 @@ fn run_job<B: Backend>(
             req.max_tokens,
             &info.stop_ids,
             &mut state,
-            &mut pick,
+            &mut sampler,
             &mut on_token,
         );
         let g = match result {

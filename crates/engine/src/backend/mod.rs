@@ -79,6 +79,27 @@ pub enum DeviceSample {
     RowNeeded { penalised: bool },
 }
 
+/// The token a chained decode step feeds (`Backend::queue_decode_step`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepInput {
+    /// A token the host knows (the one picked from the prompt's logits).
+    Host(u32),
+    /// The token the previously queued step chose on the device, never read back first.
+    Chosen,
+}
+
+/// A chained step's model graph: `forward(state, token)` (`Backend::queue_decode_step`).
+pub type StepForward<'a, B> =
+    dyn FnMut(&mut DecodeState<B>, u32) -> Result<<B as Backend>::Tensor> + 'a;
+
+/// A queued decode step whose chosen token has not been read yet (`Backend::chosen_token`): the
+/// position it fed.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a queued step's token is read with Backend::chosen_token"]
+pub struct QueuedStep {
+    pub pos: usize,
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// A 2-D activation `[rows, cols]` (rows = tokens), device-resident.
     type Tensor: Send;
@@ -407,6 +428,46 @@ pub trait Backend: Send + Sync + 'static {
     fn sample(&self, logits: &Self::Tensor, req: &DeviceSampling) -> Result<DeviceSample> {
         let _ = (logits, req);
         Ok(DeviceSample::RowNeeded { penalised: false })
+    }
+
+    /// Whether `queue_decode_step` chains steps that choose as `p` says: every choice made on
+    /// the device, never needing the logits row on the host. The default chains none.
+    fn chains_decode(&self, p: &SamplingParams) -> bool {
+        let _ = p;
+        false
+    }
+
+    /// Queues one decode step feeding `input` at `state.pos` that then chooses the next token
+    /// on the device as `choice` says (the host sampler's rule and draw, no penalties), and
+    /// returns without waiting for it: the host queues the next step, feeding
+    /// `StepInput::Chosen`, before it reads this one's token. `forward(state, token)` runs the
+    /// model graph on `token` (a backend recording the step passes any id: its recording reads
+    /// the token on the device). Only for parameters `chains_decode` accepts; at most two steps
+    /// may wait unread, and a step left unread is dropped by the next `StepInput::Host` step.
+    fn queue_decode_step(
+        &self,
+        state: &mut DecodeState<Self>,
+        input: StepInput,
+        choice: &DeviceSampling,
+        forward: &mut StepForward<'_, Self>,
+    ) -> Result<QueuedStep>
+    where
+        Self: Sized,
+    {
+        let _ = (state, input, choice, forward);
+        Err(Error::Backend(format!(
+            "the {} backend does not chain decode steps",
+            self.name()
+        )))
+    }
+
+    /// Waits for a queued step and returns the token it chose.
+    fn chosen_token(&self, step: QueuedStep) -> Result<u32> {
+        let _ = step;
+        Err(Error::Backend(format!(
+            "the {} backend does not chain decode steps",
+            self.name()
+        )))
     }
 
     /// One single-token decode step feeding `token` at `state.pos`: `forward` runs the model

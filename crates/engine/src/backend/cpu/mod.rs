@@ -9,9 +9,11 @@ use rayon::prelude::*;
 
 use self::quant::Simd;
 use self::reference as r;
-use super::{AttnShape, Backend, GdnShape};
+use super::{AttnShape, Backend, DeviceSampling, GdnShape, QueuedStep, StepForward, StepInput};
 use crate::checkpoint::QWeight;
 use crate::error::{Error, Result};
+use crate::model::state::DecodeState;
+use crate::sampler::{SamplingParams, choose};
 
 /// A row-major `[rows, cols]` f32 activation.
 #[derive(Clone, Debug)]
@@ -47,6 +49,9 @@ pub struct CpuRouting {
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     simd: Simd,
+    /// With `chaining`: the tokens chained steps chose and the host has not read, by the
+    /// position each step fed.
+    chained: Option<std::sync::Mutex<Vec<(usize, u32)>>>,
 }
 
 impl CpuBackend {
@@ -60,7 +65,27 @@ impl CpuBackend {
         Ok(CpuBackend {
             pool,
             simd: Simd::detect(),
+            chained: None,
         })
+    }
+
+    /// A backend that chains decode steps as a GPU does (`Backend::queue_decode_step`), each
+    /// token chosen by the host sampler's rule as soon as its step has run: the chained loop and
+    /// what it does to the state and the session cache, testable where there is no GPU. (It
+    /// gains nothing here: every step has run before the host goes on.)
+    pub fn chaining(threads: usize) -> Result<Self> {
+        Ok(CpuBackend {
+            chained: Some(Default::default()),
+            ..CpuBackend::new(threads)?
+        })
+    }
+
+    fn chain(&self) -> Result<std::sync::MutexGuard<'_, Vec<(usize, u32)>>> {
+        self.chained
+            .as_ref()
+            .ok_or_else(|| Error::Backend("this CPU backend does not chain decode steps".into()))?
+            .lock()
+            .map_err(|_| Error::Backend("chained-step lock poisoned".into()))
     }
     pub fn simd(&self) -> Simd {
         self.simd
@@ -98,6 +123,49 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> String {
         format!("cpu ({} threads, {:?})", self.threads(), self.simd)
+    }
+
+    fn chains_decode(&self, p: &SamplingParams) -> bool {
+        self.chained.is_some() && !p.has_penalties()
+    }
+
+    fn queue_decode_step(
+        &self,
+        state: &mut DecodeState<Self>,
+        input: StepInput,
+        choice: &DeviceSampling,
+        forward: &mut StepForward<'_, Self>,
+    ) -> Result<QueuedStep> {
+        let mut chosen = self.chain()?;
+        let pos = state.pos;
+        let token = match input {
+            StepInput::Host(t) => {
+                chosen.clear();
+                t
+            }
+            StepInput::Chosen => chosen
+                .iter()
+                .find(|&&(p, _)| p + 1 == pos)
+                .map(|&(_, t)| t)
+                .ok_or_else(|| {
+                    Error::Backend(format!("no queued step chose the token for position {pos}"))
+                })?,
+        };
+        let logits = forward(state, token)?;
+        chosen.push((pos, choose(choice.params, &logits.data, choice.u)));
+        Ok(QueuedStep { pos })
+    }
+
+    fn chosen_token(&self, step: QueuedStep) -> Result<u32> {
+        let mut chosen = self.chain()?;
+        let at = chosen.iter().position(|&(p, _)| p == step.pos);
+        let (_, t) = chosen.remove(at.ok_or_else(|| {
+            Error::Backend(format!(
+                "the chained decode step at position {} left no token",
+                step.pos
+            ))
+        })?);
+        Ok(t)
     }
 
     fn upload_qmatrix(&self, w: QWeight) -> Result<QWeight> {

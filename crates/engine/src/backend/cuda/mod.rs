@@ -20,13 +20,14 @@ use cudarc::driver::{
 
 use self::device::{CudaDevice, driver};
 use super::{
-    AttnShape, Backend, DeviceSample, DeviceSampling, GdnShape, KernelCost, ProfileMode, products,
-    route_tokens_separately,
+    AttnShape, Backend, DeviceSample, DeviceSampling, GdnShape, KernelCost, ProfileMode,
+    QueuedStep, StepForward, StepInput, products, route_tokens_separately,
 };
 use crate::backend::cpu::reference::GDN_L2_EPS;
 use crate::checkpoint::QWeight;
 use crate::error::{Error, Result};
 use crate::model::state::{DecodeState, LayerState};
+use crate::sampler::SamplingParams;
 
 /// Device memory of one op's result: owned (back to the pool when the last clone is dropped), or
 /// a slice of the decode-step arena, which lives as long as the recorded step that wrote it.
@@ -324,6 +325,8 @@ struct Kernels {
     add_sigmoid_gated: CudaFunction,
     split_q_gate: CudaFunction,
     argmax_rows: CudaFunction,
+    /// The greedy choice that ends a chained decode step.
+    step_argmax: CudaFunction,
     /// Token sampling on the device (kernels/sample.cu); `None` with `LILY_CUDA_SAMPLE=0`, when
     /// the host samples the row read back (to compare the two).
     sample_token: Option<CudaFunction>,
@@ -476,6 +479,7 @@ impl Kernels {
             add_sigmoid_gated: f("pointwise", "add_sigmoid_gated")?,
             split_q_gate: f("pointwise", "split_q_gate")?,
             argmax_rows: f("pointwise", "argmax_rows")?,
+            step_argmax: f("pointwise", "step_argmax")?,
             sample_token: if std::env::var("LILY_CUDA_SAMPLE").is_ok_and(|v| v == "0") {
                 None
             } else {
@@ -592,6 +596,11 @@ pub struct CudaBackend {
     /// One token's expert ids handed from the gate/up kernel to the down kernel: the flag and
     /// the down blocks that read it (zero between launches; kernels/quant.cu, `flagged_expert`).
     ids_ready: CudaSlice<u32>,
+    /// What chained decode steps choose with and hand to the host (`queue_decode_step`).
+    chain: ChainBuffers,
+    /// `LILY_CUDA_CHAIN=0` steps one token at a time, reading each before the next step (to
+    /// compare the two).
+    chains: bool,
     step: Mutex<StepState>,
     /// Set while a decode step is being recorded: temporaries come from the arena, and the
     /// position-dependent kernels read `params`.
@@ -611,6 +620,102 @@ pub struct CudaBackend {
     /// While profiling in place: events around every launch (the run's temporaries then come
     /// from the pool as usual, since nothing is replayed).
     in_place: AtomicBool,
+}
+
+/// A chained decode step's device-side hand-offs: the greedy choice's packed key and ticket
+/// (zero between steps: `step_argmax`'s last block resets them), the sampler's draw (uploaded
+/// before each replay) and scratch, and the host's view of each step's choice.
+struct ChainBuffers {
+    key: CudaSlice<u64>,
+    ticket: CudaSlice<u32>,
+    draw: CudaSlice<f64>,
+    sample_out: CudaSlice<i32>,
+    chosen: ChosenSlots,
+    /// Recorded after each chained step, by the parity of its position.
+    done: [CudaEvent; 2],
+}
+
+/// Two `[token, status, position]` slots of mapped pinned host memory, by the parity of the
+/// step's position: the chooser writes its slot, the host reads it after the step's event.
+struct ChosenSlots {
+    _pinned: cudarc::driver::PinnedHostSlice<i32>,
+    host: *mut i32,
+    /// The slots' device address (mapped memory).
+    device: u64,
+}
+
+// SAFETY: `host` points into `_pinned`, which lives as long as this; the host reads a slot only
+// after the event of the step that wrote it, and writes it only before queueing the next step
+// that uses it (`queue_decode_step`), so no two threads or devices use a slot at once.
+unsafe impl Send for ChosenSlots {}
+unsafe impl Sync for ChosenSlots {}
+
+impl ChosenSlots {
+    fn new(dev: &CudaDevice) -> Result<ChosenSlots> {
+        // SAFETY: six i32 of page-locked memory, mapped into the device's address space;
+        // every slot is written (position -1) before any is read.
+        let mut pinned = unsafe {
+            dev.ctx
+                .alloc_pinned_with_flags::<i32>(6, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        }
+        .map_err(driver("pinned allocation"))?;
+        let host = pinned.as_mut_ptr().map_err(driver("pinned allocation"))?;
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with CU_MEMHOSTALLOC_DEVICEMAP just above.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0) }
+            .result()
+            .map_err(driver("mapping pinned memory"))?;
+        let slots = ChosenSlots {
+            _pinned: pinned,
+            host,
+            device,
+        };
+        slots.clear(0);
+        slots.clear(1);
+        Ok(slots)
+    }
+
+    /// Marks `slot` unwritten (position -1) before the step that will write it is queued.
+    fn clear(&self, slot: usize) {
+        // SAFETY: slot < 2, so the three i32 are inside the allocation; see `Send` above.
+        unsafe { std::ptr::write_volatile(self.host.add(3 * slot + 2), -1) }
+    }
+
+    /// `[token, status, position]` of `slot`.
+    fn read(&self, slot: usize) -> [i32; 3] {
+        // SAFETY: as in `clear`; the device's writes are visible once the step's event is done.
+        std::array::from_fn(|i| unsafe { std::ptr::read_volatile(self.host.add(3 * slot + i)) })
+    }
+}
+
+/// How a recorded decode step ends.
+#[derive(Clone, Copy)]
+enum StepEnd<'a> {
+    /// With its logits, for the host to choose from (`decode_step`).
+    Logits,
+    /// With the device's choice, fed to the next step (`queue_decode_step`).
+    Chosen(&'a DeviceSampling<'a>),
+}
+
+impl StepEnd<'_> {
+    /// What a recording of this end depends on besides the state: the kind, and the sampling
+    /// parameters that are baked into the chooser's launch.
+    fn key(&self) -> Vec<u64> {
+        match self {
+            StepEnd::Logits => vec![0],
+            StepEnd::Chosen(c) if c.params.is_greedy() => vec![1],
+            StepEnd::Chosen(c) => {
+                let p = c.params;
+                vec![
+                    2,
+                    p.temperature.to_bits() as u64,
+                    p.top_k as u64,
+                    p.top_p.to_bits() as u64,
+                    p.min_p.to_bits() as u64,
+                ]
+            }
+        }
+    }
 }
 
 /// The recorded decode step and the memory its temporaries live in.
@@ -1018,6 +1123,29 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<u32>(2)
             .map_err(driver("allocation"))?;
+        let zeros_of = |n| {
+            dev.stream
+                .alloc_zeros::<i32>(n)
+                .map_err(driver("allocation"))
+        };
+        let event = || dev.ctx.new_event(None).map_err(driver("event"));
+        let chain = ChainBuffers {
+            key: dev
+                .stream
+                .alloc_zeros::<u64>(1)
+                .map_err(driver("allocation"))?,
+            ticket: dev
+                .stream
+                .alloc_zeros::<u32>(1)
+                .map_err(driver("allocation"))?,
+            draw: dev
+                .stream
+                .alloc_zeros::<f64>(1)
+                .map_err(driver("allocation"))?,
+            sample_out: zeros_of(2)?,
+            chosen: ChosenSlots::new(&dev)?,
+            done: [event()?, event()?],
+        };
         let sms = dev
             .ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -1034,6 +1162,8 @@ impl CudaBackend {
             params,
             mix_counters,
             ids_ready,
+            chain,
+            chains: std::env::var("LILY_CUDA_CHAIN").map_or(true, |v| v != "0"),
             step: Mutex::new(StepState::default()),
             capturing: AtomicBool::new(false),
             bucket: AtomicUsize::new(0),
@@ -2895,7 +3025,10 @@ impl Backend for CudaBackend {
                 p.top_p,
                 p.min_p,
                 req.u,
-                out.ptr
+                0u64,
+                out.ptr,
+                0u64,
+                0u64
             ]
         )?;
         let got = self.download_buf(&out)?;
@@ -3540,14 +3673,99 @@ impl Backend for CudaBackend {
         token: u32,
         forward: &mut dyn FnMut(&mut DecodeState<Self>) -> Result<CudaTensor>,
     ) -> Result<CudaTensor> {
-        let pos = state.pos;
-        if !self.graphs || pos >= state.max_seq || self.tracing.load(Ordering::Relaxed) {
+        if !self.graphs || state.pos >= state.max_seq || self.tracing.load(Ordering::Relaxed) {
             return forward(state);
         }
+        let logits = self.run_step(state, Some(token), StepEnd::Logits, forward)?;
+        Ok(logits_view(logits))
+    }
+
+    fn chains_decode(&self, p: &SamplingParams) -> bool {
+        self.graphs
+            && self.chains
+            && !self.tracing.load(Ordering::Relaxed)
+            && !p.has_penalties()
+            && (p.is_greedy() || self.k.sample_token.is_some())
+    }
+
+    fn queue_decode_step(
+        &self,
+        state: &mut DecodeState<Self>,
+        input: StepInput,
+        choice: &DeviceSampling,
+        forward: &mut StepForward<'_, Self>,
+    ) -> Result<QueuedStep> {
+        if !self.chains_decode(choice.params) || !choice.penalties.is_empty() {
+            return Err(Error::Backend(
+                "these sampling parameters are not chained on this device".into(),
+            ));
+        }
+        let pos = state.pos;
+        if pos >= state.max_seq {
+            return Err(Error::invalid(format!(
+                "the context is full ({} positions)",
+                state.max_seq
+            )));
+        }
+        let slot = pos & 1;
+        self.chain.chosen.clear(slot);
+        if !choice.params.is_greedy() {
+            self.upload_to(&self.chain.draw, &[choice.u])?;
+        }
+        let token = match input {
+            StepInput::Host(t) => Some(t),
+            StepInput::Chosen => None,
+        };
+        // The recording's embedding reads the token from `params`: 0 stands in for it.
+        let stand_in = token.unwrap_or(0);
+        self.run_step(state, token, StepEnd::Chosen(choice), &mut |st| {
+            forward(st, stand_in)
+        })?;
+        self.chain.done[slot]
+            .record(&self.dev.stream)
+            .map_err(driver("event"))?;
+        Ok(QueuedStep { pos })
+    }
+
+    fn chosen_token(&self, step: QueuedStep) -> Result<u32> {
+        let slot = step.pos & 1;
+        self.chain.done[slot]
+            .synchronize()
+            .map_err(driver("waiting for a decode step"))?;
+        let [token, status, pos] = self.chain.chosen.read(slot);
+        if pos < 0 || pos as usize != step.pos {
+            return Err(Error::Backend(format!(
+                "the chained decode step at position {} left no token (its slot holds position {pos})",
+                step.pos
+            )));
+        }
+        if status != 0 {
+            return Err(Error::Backend(
+                "the device sampler asked for the logits row in a chained decode step".into(),
+            ));
+        }
+        Ok(token as u32)
+    }
+}
+
+impl CudaBackend {
+    /// Replays the recorded decode step feeding `token` (or, with `None`, the token the previous
+    /// chained step chose, already in `params`) at `state.pos`, recording it first where the
+    /// recording is missing or stale; returns the recorded logits `(pointer, columns)`.
+    fn run_step(
+        &self,
+        state: &mut DecodeState<Self>,
+        token: Option<u32>,
+        end: StepEnd,
+        forward: &mut dyn FnMut(&mut DecodeState<Self>) -> Result<CudaTensor>,
+    ) -> Result<(u64, usize)> {
+        let pos = state.pos;
         // Recordings are per power-of-two context bucket: the attention grid is sized for the
-        // bucket, and the KV caches must not move while a recording writes into them.
+        // bucket, and the KV caches must not move while a recording writes into them. (Work
+        // still queued keeps its buffers: frees and copies are ordered on the stream.)
         let bucket = (pos + 1).next_power_of_two().max(1024).min(state.max_seq);
         let mut key = vec![bucket as u64];
+        key.extend(end.key());
         for layer in state.layers.iter_mut() {
             match layer {
                 LayerState::Gdn(s) => key.extend([self.ptr(&s.window), self.ptr(&s.state)]),
@@ -3557,24 +3775,17 @@ impl Backend for CudaBackend {
                 }
             }
         }
-        let params = [token as i32, pos as i32];
-        // SAFETY: `params` holds two i32 and is read by the copy before this call returns
-        // (a pageable-memory copy is staged by the driver at once).
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(
-                self.ptr(&self.params),
-                &params,
-                self.cu_stream(),
-            )
+        if let Some(token) = token {
+            // After a chained step the device has written both itself.
+            self.upload_to(&self.params, &[token as i32, pos as i32])?;
         }
-        .map_err(driver("upload"))?;
         {
             let st = self.lock_step()?;
             if let Some(g) = st.graph.as_ref().filter(|g| g.key == key) {
                 g.exec.0.launch().map_err(driver("graph launch"))?;
                 // Keep the attention caches' bookkeeping in step with what the graph wrote.
                 advance(state);
-                return Ok(logits_view(g.logits));
+                return Ok(g.logits);
             }
         }
         for attempt in 0..2 {
@@ -3605,7 +3816,12 @@ impl Backend for CudaBackend {
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .map_err(driver("begin capture"))?;
             self.capturing.store(true, Ordering::Relaxed);
-            let recorded = forward(state);
+            let recorded = forward(state).and_then(|logits| {
+                if let StepEnd::Chosen(choice) = end {
+                    self.launch_chooser(&logits, choice)?;
+                }
+                Ok(logits)
+            });
             self.capturing.store(false, Ordering::Relaxed);
             let graph = self
                 .dev
@@ -3632,9 +3848,70 @@ impl Backend for CudaBackend {
                 exec: GraphExec(exec),
                 logits: view,
             });
-            return Ok(logits_view(view));
+            return Ok(view);
         }
         Err(Error::Backend("decode step could not be recorded".into()))
+    }
+
+    /// Records the choice that ends a chained step: the greedy argmax, or the sampler with the
+    /// draw uploaded before each replay; either writes the token and the next position into
+    /// `params` and the host's slot (kernels/common.cuh, `finish_chained_step`).
+    fn launch_chooser(&self, logits: &CudaTensor, choice: &DeviceSampling) -> Result<()> {
+        plain!(self, logits);
+        let (n, p) = (logits.cols, choice.params);
+        let (params, host_out) = (self.ptr(&self.params), self.chain.chosen.device);
+        if p.is_greedy() {
+            return launch!(
+                self,
+                self.k.step_argmax,
+                cfg((n.div_ceil(2048) as u32, 1), 256, 0),
+                [
+                    self.ptr(&logits.buf),
+                    self.ptr(&self.chain.key),
+                    self.ptr(&self.chain.ticket),
+                    n as i32,
+                    params,
+                    host_out
+                ]
+            );
+        }
+        let sample_token = self
+            .k
+            .sample_token
+            .as_ref()
+            .ok_or_else(|| Error::Backend("the device sampler is off".into()))?;
+        let limit = if p.top_k > 0 { p.top_k.min(n) } else { n };
+        // kernels/sample.cu: one block of SAMPLE_THREADS (1,024) threads.
+        launch!(
+            self,
+            sample_token,
+            cfg((1, 1), 1024, 0),
+            [
+                self.ptr(&logits.buf),
+                n as i32,
+                0u64,
+                0u64,
+                0i32,
+                p.temperature,
+                limit as i32,
+                p.top_p,
+                p.min_p,
+                0f64,
+                self.ptr(&self.chain.draw),
+                self.ptr(&self.chain.sample_out),
+                params,
+                host_out
+            ]
+        )
+    }
+
+    /// Copies `data` into the start of `dst`, ordered on the stream.
+    fn upload_to<T: DeviceRepr>(&self, dst: &CudaSlice<T>, data: &[T]) -> Result<()> {
+        debug_assert!(data.len() <= dst.len());
+        // SAFETY: `dst` holds at least data.len() elements, and `data` is read by the copy
+        // before this call returns (a pageable-memory copy is staged by the driver at once).
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.ptr(dst), data, self.cu_stream()) }
+            .map_err(driver("upload"))
     }
 }
 

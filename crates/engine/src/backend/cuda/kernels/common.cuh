@@ -28,6 +28,20 @@ __device__ __forceinline__ void grid_dep() {
     pdl_launch_dependents();
 }
 
+// The end of a chained decode step (`Backend::queue_decode_step`): the chosen token becomes the
+// next step's input (params[0]) and the position advances (params[1]); (token, status, position)
+// go to slot position & 1 of the host's mapped pinned buffer, read once the step's event is done.
+// Status 1: the sampler needed the row (never for the parameters the host chains).
+__device__ __forceinline__ void finish_chained_step(int* params, int* host_out, int token, int status) {
+    const int pos = params[1];
+    volatile int* slot = host_out + 3 * (pos & 1);
+    slot[0] = token;
+    slot[1] = status;
+    slot[2] = pos;
+    params[0] = token;
+    params[1] = pos + 1;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

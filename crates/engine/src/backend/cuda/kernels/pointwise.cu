@@ -151,10 +151,9 @@ extern "C" __global__ void split_q_gate(const float* qg, float* q, float* g, int
 // their slice and combine with one atomicMax into key[row], which starts at 0 ("nothing seen":
 // every packed non-NaN value is larger); the host decodes the winning index.
 
-// Launch with 256 threads and (ceil(cols / 2048), rows) blocks, key zeroed.
-extern "C" __global__ void argmax_rows(const float* x, u64* key, int cols) { grid_dep();
+// One block's best packed (value, index) over its 2,048 columns of `row` (0: none), in thread 0.
+__device__ __forceinline__ u64 argmax_block(const float* row, int cols) {
     __shared__ u64 part[8];
-    const float* row = x + (size_t)blockIdx.y * cols;
     u64 best = 0;
     const int base = blockIdx.x * 2048;
     const int end = min(base + 2048, cols);
@@ -165,8 +164,29 @@ extern "C" __global__ void argmax_rows(const float* x, u64* key, int cols) { gri
     for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = best;
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0)
         for (int w = 1; w < (int)(blockDim.x >> 5); ++w) best = max(best, part[w]);
-        if (best) atomicMax(key + blockIdx.y, best);
-    }
+    return best;
+}
+
+// Launch with 256 threads and (ceil(cols / 2048), rows) blocks, key zeroed.
+extern "C" __global__ void argmax_rows(const float* x, u64* key, int cols) { grid_dep();
+    const u64 best = argmax_block(x + (size_t)blockIdx.y * cols, cols);
+    if (threadIdx.x == 0 && best) atomicMax(key + blockIdx.y, best);
+}
+
+// The greedy choice that ends a chained decode step: argmax_rows over one row, then the last block
+// to finish decodes the key (0: every value NaN, index 0, as the host), ends the step
+// (finish_chained_step) and zeroes key and ticket for the next replay. Launch with 256 threads and
+// ceil(cols / 2048) blocks; key and ticket zeroed once, at allocation.
+extern "C" __global__ void step_argmax(const float* x, u64* key, u32* ticket, int cols, int* params,
+                                       int* host_out) { grid_dep();
+    const u64 best = argmax_block(x, cols);
+    if (threadIdx.x != 0) return;
+    if (best) atomicMax(key, best);
+    __threadfence();  // this block's maximum is in `key` before its ticket counts
+    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
+    const u64 k = atomicExch(key, 0ull);
+    *ticket = 0;
+    finish_chained_step(params, host_out, k ? (int)(0xffffffffu - (u32)k) : 0, 0);
 }

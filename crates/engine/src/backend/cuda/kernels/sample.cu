@@ -210,7 +210,9 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
     const float top = from_ordered_bits((u32)(cand[0] >> 32));
     // Where the host would widen past these candidates: the nucleus checked against the whole
     // row's mass (f64, as the host), or more candidates wanted without top-p.
-    if (limit > K) {
+    // (K below the limit because the row has fewer valid logits: every one is a candidate, and
+    // the host's widened set would be the same.)
+    if (limit > K && valid > K) {
         bool widen = true;
         if (top_p < 1.f) {
             double part = 0.0, all = 0.0;
@@ -276,11 +278,16 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
 }
 
 // Launch with one block of SAMPLE_THREADS threads. `limit` is min(top_k, n), or n without top-k.
+// The draw is `u`, or *u_at where u_at is not null (a recorded step reads the draw uploaded before
+// each replay). With `params` not null the sample ends a chained decode step (finish_chained_step
+// into `host_out`); `out` is then the kernel's scratch.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_token(float* logits, int n, const u32* pen_ids, const float* pen_amount, int n_pen, float temperature,
-                 int limit, float top_p, float min_p, double u, int* out) {
+                 int limit, float top_p, float min_p, double u, const double* u_at, int* out, int* params,
+                 int* host_out) {
     __shared__ u64 cand[SAMPLE_MAX_CAND];  // 32 KiB: the candidates, or the whole-row scan
     grid_dep();
+    if (u_at) u = *u_at;
     for (int j = threadIdx.x; j < n_pen; j += blockDim.x)
         if (pen_ids[j] < (u32)n) logits[pen_ids[j]] -= pen_amount[j];
     __syncthreads();  // the penalised row is what every pass below reads
@@ -292,4 +299,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     } else {
         sample_candidates(logits, n, temperature, limit, top_p, min_p, u, out, cand);
     }
+    // Every path above has written `out` (whichever thread chose) before this barrier.
+    __syncthreads();
+    if (params && threadIdx.x == 0) finish_chained_step(params, host_out, out[0], out[1]);
 }
