@@ -487,13 +487,25 @@ mod tests {
             ..params(0.7)
         };
         assert!(SamplingParams::greedy().choice_is_bounded(vocab));
-        assert!(with(0, 1.0).choice_is_bounded(vocab), "the whole row, one pass");
-        assert!(with(vocab + 5, 1.0).choice_is_bounded(vocab), "top-k past the row");
+        assert!(
+            with(0, 1.0).choice_is_bounded(vocab),
+            "the whole row, one pass"
+        );
+        assert!(
+            with(vocab + 5, 1.0).choice_is_bounded(vocab),
+            "top-k past the row"
+        );
         assert!(with(20, 0.8).choice_is_bounded(vocab));
         assert!(with(TOP_P_PREFILTER, 0.5).choice_is_bounded(vocab));
-        assert!(!with(0, 0.95).choice_is_bounded(vocab), "a nucleus may pass the prefilter");
+        assert!(
+            !with(0, 0.95).choice_is_bounded(vocab),
+            "a nucleus may pass the prefilter"
+        );
         assert!(!with(TOP_P_PREFILTER + 1, 1.0).choice_is_bounded(vocab));
-        assert!(with(0, 0.95).choice_is_bounded(TOP_P_PREFILTER), "a small vocabulary");
+        assert!(
+            with(0, 0.95).choice_is_bounded(TOP_P_PREFILTER),
+            "a small vocabulary"
+        );
     }
 
     #[test]

@@ -1,15 +1,17 @@
 // Token sampling where the logits are: the host sampler's rule (engine/src/sampler.rs, `choose`)
 // with the host's draw u, so that a sampled decode step reads back one token id rather than the
 // vocabulary's row. One block of SAMPLE_THREADS threads does everything: the row (248,320 floats,
-// 1 MB) stays in L2 between its passes, and one block needs no grid-wide ordering.
+// 1 MB) stays in L2 between its passes, and one block needs no grid-wide ordering. Every pass
+// reads the row coalesced: strided over the block, or, where id order matters, in warp chunks
+// (each warp a contiguous run of ids, 32 at a time; the chunks tile the row in warp order).
 //
 //   penalties   logits[id] -= amount for each generated token, in place (the host falls back to
 //               the row already penalised);
 //   greedy      T <= 0 (penalties given): the first maximum, NaN never chosen;
 //   whole row   no top-k below the vocabulary and top-p 1: the weights exp((l - max) / T), zero
-//               below the min-p cutoff, summed in f64; each thread owns a contiguous slice of
-//               ids, so the block's inclusive scan of the slices' sums orders the intervals as
-//               the host's walk does, and the thread whose interval holds u * total walks it;
+//               below the min-p cutoff, summed in f64 per warp chunk; the chunks' sums, added in
+//               warp order, order their intervals as the host's walk does, and the warp whose
+//               interval holds u * total walks its chunk with f64 prefix sums;
 //   candidates  the K = min(limit, SAMPLE_MAX_CAND) largest logits (ties to the lower id): a
 //               radix select of the K-th largest key, a compaction in id order, a bitonic sort;
 //               then the host's softmax, top-p and min-p over them by one thread, in its order.
@@ -18,6 +20,8 @@
 //
 // out[0] = the token, out[1] = 0 (chosen) or 1 (the host samples the row).
 constexpr int SAMPLE_THREADS = 1024;
+constexpr int SAMPLE_WARPS = SAMPLE_THREADS / 32;
+constexpr unsigned FULL_MASK = 0xffffffffu;
 constexpr int SAMPLE_MAX_CAND = 4096;  // sampler.rs TOP_P_PREFILTER
 
 // The inverse of common.cuh's ordered_bits.
@@ -31,22 +35,48 @@ __device__ __forceinline__ u64* sample_scratch() {
     return slots;
 }
 
-// Inclusive scan over the block (1024 threads): thread t gets v_0 + ... + v_t, the warps' sums
-// added in order.
+// This warp's contiguous run of ids: a multiple of 32 ids a warp, the runs in warp order.
+struct WarpChunk {
+    int lo, hi;
+};
+__device__ __forceinline__ WarpChunk warp_chunk(int n) {
+    const int per = (n + SAMPLE_WARPS * 32 - 1) / (SAMPLE_WARPS * 32) * 32;
+    const int w = threadIdx.x >> 5;
+    return {min(n, w * per), min(n, (w + 1) * per)};
+}
+
+// Each warp's value `v` (the same in all its lanes) summed over the warps before it, in warp
+// order; `total` gets the sum over all of them, added in that same order (so that each warp's
+// prefix plus its value is the next warp's prefix).
 template <typename T>
-__device__ __forceinline__ T block_inclusive_scan(T v) {
+__device__ __forceinline__ T warps_before(T v, T& total) {
     T* part = reinterpret_cast<T*>(sample_scratch());
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warp = threadIdx.x >> 5;
+    __syncthreads();  // `part` may still be read by a previous call
+    if ((threadIdx.x & 31) == 0) part[warp] = v;
+    __syncthreads();
+    T before = 0, acc = 0;
+    for (int w = 0; w < SAMPLE_WARPS; ++w) {
+        if (w == warp) before = acc;
+        acc += part[w];
+    }
+    total = acc;
+    return before;
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// Lane l gets v_0 + ... + v_l.
+__device__ __forceinline__ double warp_inclusive_scan_f64(double v) {
+    const int lane = threadIdx.x & 31;
     for (int o = 1; o < 32; o <<= 1) {
-        const T n = __shfl_up_sync(0xffffffffu, v, o);
+        const double n = __shfl_up_sync(FULL_MASK, v, o);
         if (lane >= o) v += n;
     }
-    __syncthreads();  // `part` may still be read by a previous call
-    if (lane == 31) part[warp] = v;
-    __syncthreads();
-    T before = 0;
-    for (int w = 0; w < warp; ++w) before += part[w];
-    return v + before;
+    return v;
 }
 
 template <typename T, typename Op>
@@ -62,11 +92,13 @@ __device__ __forceinline__ T block_reduce(T v, Op op) {
     return r;
 }
 
+__device__ __forceinline__ void sample_done_by_this_thread(int* out, int token, int status) {
+    out[0] = token;
+    out[1] = status;
+}
+
 __device__ __forceinline__ void sample_done(int* out, int token, int status) {
-    if (threadIdx.x == 0) {
-        out[0] = token;
-        out[1] = status;
-    }
+    if (threadIdx.x == 0) sample_done_by_this_thread(out, token, status);
 }
 
 // The first maximum's id (0 when every value is NaN), as the host's argmax.
@@ -81,57 +113,59 @@ __device__ __forceinline__ int sample_argmax(const float* logits, int n) {
 }
 
 __device__ __forceinline__ void sample_whole_row(const float* logits, int n, float temperature, float min_p,
-                                                 double u, int* out, double* incl) {
-    const int tid = threadIdx.x, chunk = (n + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
-    const int c0 = min(n, tid * chunk), c1 = min(n, c0 + chunk);
+                                                 double u, int* out) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float m = NEG_INF;
-    for (int c = tid; c < n; c += blockDim.x) m = fmaxf(m, logits[c]);  // fmaxf skips NaN
+    for (int c = threadIdx.x; c < n; c += blockDim.x) m = fmaxf(m, logits[c]);  // fmaxf skips NaN
     m = block_reduce(m, [](float a, float b) { return fmaxf(a, b); });
     // min-p keeps p >= min_p * p_max, i.e. logit >= max + T ln(min_p); NaN fails every test.
     const float cutoff = min_p > 0.f ? m + temperature * logf(min_p) : NEG_INF;
     auto weight = [&](float v) { return v >= cutoff ? expf((v - m) / temperature) : 0.f; };
+    const WarpChunk ch = warp_chunk(n);
     double s = 0.0;
-    for (int c = c0; c < c1; ++c) s += (double)weight(logits[c]);
-    const double hi = block_inclusive_scan(s);
-    incl[tid] = hi;
-    __syncthreads();
-    const double total = incl[SAMPLE_THREADS - 1], lo = tid ? incl[tid - 1] : 0.0;
+    for (int c = ch.lo + lane; c < ch.hi; c += 32) s += (double)weight(logits[c]);
+    s = warp_sum_f64(s);
+    double total;
+    const double lo = warps_before(s, total);
     if (!(total > 0.0)) {  // no weight at all: the host takes the argmax
         const int t = sample_argmax(logits, n);
         sample_done(out, t, 0);
         return;
     }
     const double target = u * total;
-    // The slices' intervals [lo, hi) tile [0, total): exactly one holds the target, unless
+    // The chunks' intervals [lo, lo + s) tile [0, total): exactly one holds the target, unless
     // rounding put it at total, where the host takes the last positive weight.
-    const int last_positive_slice = block_reduce(s > 0.0 ? tid : -1, [](int a, int b) { return max(a, b); });
-    const bool mine = s > 0.0 && lo <= target && target < hi;
+    const int last_positive_warp = block_reduce(s > 0.0 ? warp : -1, [](int a, int b) { return max(a, b); });
+    const bool mine = s > 0.0 && lo <= target && target < lo + s;
     const bool none = __syncthreads_or(mine) == 0;
-    if (mine || (none && tid == last_positive_slice)) {
-        double r = target - lo;
-        int pick = -1, last = -1;
-        for (int c = c0; c < c1; ++c) {
-            const float w = weight(logits[c]);
-            if (w > 0.f) {
-                if (mine && r < (double)w) {
-                    pick = c;
-                    break;
-                }
-                r -= (double)w;
-                last = c;
-            }
+    if (!(mine || (none && warp == last_positive_warp))) return;
+    // The walk, 32 ids at a time: the first positive weight whose inclusive prefix passes the
+    // target's offset r into this chunk (the host's r < w after subtracting those before it);
+    // past the chunk's end (rounding), its last positive weight.
+    const double r = target - lo;
+    double run = 0.0;
+    int pick = -1, last = -1;
+    for (int base = ch.lo; base < ch.hi; base += 32) {
+        const int c = base + lane;
+        const float w = c < ch.hi ? weight(logits[c]) : 0.f;
+        const double incl = run + warp_inclusive_scan_f64((double)w);
+        const unsigned positive = __ballot_sync(FULL_MASK, w > 0.f);
+        if (positive) last = base + 31 - __clz(positive);
+        const unsigned hit = __ballot_sync(FULL_MASK, mine && w > 0.f && r < incl);
+        if (hit) {
+            pick = base + __ffs(hit) - 1;
+            break;
         }
-        out[0] = pick >= 0 ? pick : last;
-        out[1] = 0;
+        run = __shfl_sync(FULL_MASK, incl, 31);
     }
+    if (lane == 0) sample_done_by_this_thread(out, pick >= 0 ? pick : last, 0);
 }
 
 __device__ __forceinline__ void sample_candidates(const float* logits, int n, float temperature, int limit,
                                                   float top_p, float min_p, double u, int* out, u64* cand) {
     __shared__ int hist[256];
     __shared__ int sel[2];
-    const int tid = threadIdx.x, chunk = (n + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
-    const int c0 = min(n, tid * chunk), c1 = min(n, c0 + chunk);
+    const int tid = threadIdx.x, lane = tid & 31;
     int valid = 0;
     for (int c = tid; c < n; c += blockDim.x) valid += logits[c] == logits[c];
     valid = block_reduce(valid, [](int a, int b) { return a + b; });
@@ -141,18 +175,23 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
         return;
     }
     // Radix select, 8 bits a pass from the top: the K-th largest key `prefix`, and `k`, how many
-    // of the keys equal to it belong to the top K (the lowest ids among them).
+    // of the keys equal to it belong to the top K (the lowest ids among them). A row's keys
+    // share their top bits, so each warp adds its lanes of one bin with one atomic.
     u32 prefix = 0, mask = 0;
     int k = K;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = tid; b < 256; b += blockDim.x) hist[b] = 0;
         __syncthreads();
-        for (int c = tid; c < n; c += blockDim.x) {
-            const float v = logits[c];
-            if (v == v) {
+        for (int base = 0; base < n; base += blockDim.x) {  // the same trips for a warp's lanes
+            const int c = base + tid;
+            int bin = -1;
+            if (c < n) {
+                const float v = logits[c];
                 const u32 key = ordered_bits(v);
-                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+                if (v == v && (key & mask) == prefix) bin = (key >> shift) & 255u;
             }
+            const unsigned same = __match_any_sync(FULL_MASK, bin);
+            if (bin >= 0 && lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
         }
         __syncthreads();
         if (tid == 0) {
@@ -166,27 +205,35 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
         mask |= 255u << shift;
         k = sel[1];
     }
-    // Compaction, each thread's slice in id order: keys above the K-th first, then its ties.
+    // Compaction in id order, warp chunks: keys above the K-th first, then the lowest-id k of its
+    // ties; each lane's place is its warp's count before it plus its rank among the 32.
+    const WarpChunk ch = warp_chunk(n);
+    const unsigned below = (1u << lane) - 1u;
+    auto classify = [&](int c, float& v) {  // 1: above the K-th key, 2: equal to it, 0: neither
+        if (c >= ch.hi) return 0;
+        v = logits[c];
+        if (v != v) return 0;
+        const u32 key = ordered_bits(v);
+        return key > prefix ? 1 : key == prefix ? 2 : 0;
+    };
     int g = 0, e = 0;
-    for (int c = c0; c < c1; ++c) {
-        const float v = logits[c];
-        if (v == v) {
-            const u32 key = ordered_bits(v);
-            g += key > prefix;
-            e += key == prefix;
-        }
+    for (int base = ch.lo; base < ch.hi; base += 32) {
+        float v;
+        const int kind = classify(base + lane, v);
+        g += __popc(__ballot_sync(FULL_MASK, kind == 1));
+        e += __popc(__ballot_sync(FULL_MASK, kind == 2));
     }
-    int gi = block_inclusive_scan(g) - g, ei = block_inclusive_scan(e) - e;
-    for (int c = c0; c < c1; ++c) {
-        const float v = logits[c];
-        if (v == v) {
-            const u32 key = ordered_bits(v);
-            if (key > prefix) cand[gi++] = pack_max(v, c);
-            else if (key == prefix) {
-                if (ei < k) cand[K - k + ei] = pack_max(v, c);
-                ++ei;
-            }
-        }
+    int unused;
+    int gi = warps_before(g, unused), ei = warps_before(e, unused);
+    for (int base = ch.lo; base < ch.hi; base += 32) {
+        float v;
+        const int c = base + lane, kind = classify(c, v);
+        const unsigned bg = __ballot_sync(FULL_MASK, kind == 1), be = __ballot_sync(FULL_MASK, kind == 2);
+        if (kind == 1) cand[gi + __popc(bg & below)] = pack_max(v, c);
+        const int tie = ei + __popc(be & below);
+        if (kind == 2 && tie < k) cand[K - k + tie] = pack_max(v, c);
+        gi += __popc(bg);
+        ei += __popc(be);
     }
     int P = 1;
     while (P < K) P <<= 1;
@@ -285,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_token(float* logits, int n, const u32* pen_ids, const float* pen_amount, int n_pen, float temperature,
                  int limit, float top_p, float min_p, double u, const double* u_at, int* out, int* params,
                  int* host_out) {
-    __shared__ u64 cand[SAMPLE_MAX_CAND];  // 32 KiB: the candidates, or the whole-row scan
+    __shared__ u64 cand[SAMPLE_MAX_CAND];  // 32 KiB: the candidates
     grid_dep();
     if (u_at) u = *u_at;
     for (int j = threadIdx.x; j < n_pen; j += blockDim.x)
@@ -295,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         const int t = sample_argmax(logits, n);
         sample_done(out, t, 0);
     } else if (limit >= n && top_p >= 1.f) {
-        sample_whole_row(logits, n, temperature, min_p, u, out, reinterpret_cast<double*>(cand));
+        sample_whole_row(logits, n, temperature, min_p, u, out);
     } else {
         sample_candidates(logits, n, temperature, limit, top_p, min_p, u, out, cand);
     }
