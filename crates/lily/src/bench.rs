@@ -181,8 +181,9 @@ fn bench_on<B: engine::backend::Backend>(
     let tok = *g.tokens.last().expect("at least one token");
     let (profile, prefill_profile) = if a.profile {
         let costs = eng.backend.profile(ProfileMode::Isolated, &mut || {
+            // The step as the server takes it: its logits, then the sampler's choice from them.
             let lg = eng.decode_step(tok, &mut state)?;
-            eng.argmax(&lg).map(|_| ())
+            sampler.pick(&eng.backend, &lg).map(|_| ())
         })?;
         if costs.is_none() {
             eprintln!(

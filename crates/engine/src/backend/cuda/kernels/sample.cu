@@ -1,9 +1,11 @@
 // Token sampling where the logits are: the host sampler's rule (engine/src/sampler.rs, `choose`)
 // with the host's draw u, so that a sampled decode step reads back one token id rather than the
 // vocabulary's row. One block of SAMPLE_THREADS threads does everything: the row (248,320 floats,
-// 1 MB) stays in L2 between its passes, and one block needs no grid-wide ordering. Every pass
-// reads the row coalesced: strided over the block, or, where id order matters, in warp chunks
-// (each warp a contiguous run of ids, 32 at a time; the chunks tile the row in warp order).
+// 1 MB) stays in L2 between its passes, and one block needs no grid-wide ordering. One SM's pass
+// over the row is bound by the loads it has in flight, so every pass issues SAMPLE_UNROLL loads a
+// thread before it uses any, and reads coalesced: strided over the block, or, where id order
+// matters, in warp chunks (each warp a contiguous run of ids, 32 at a time; the chunks tile the
+// row in warp order).
 //
 //   penalties   logits[id] -= amount for each generated token, in place (the host falls back to
 //               the row already penalised);
@@ -23,6 +25,8 @@ constexpr int SAMPLE_THREADS = 1024;
 constexpr int SAMPLE_WARPS = SAMPLE_THREADS / 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
 constexpr int SAMPLE_MAX_CAND = 4096;  // sampler.rs TOP_P_PREFILTER
+constexpr int SAMPLE_UNROLL = 8;
+#define SAMPLE_NAN __int_as_float(0x7fffffff)
 
 // The inverse of common.cuh's ordered_bits.
 __device__ __forceinline__ float from_ordered_bits(u32 o) {
@@ -43,6 +47,40 @@ __device__ __forceinline__ WarpChunk warp_chunk(int n) {
     const int per = (n + SAMPLE_WARPS * 32 - 1) / (SAMPLE_WARPS * 32) * 32;
     const int w = threadIdx.x >> 5;
     return {min(n, w * per), min(n, (w + 1) * per)};
+}
+
+// f(id, logit) for ids tid, tid + SAMPLE_THREADS, ...; SAMPLE_UNROLL loads issued before any
+// is used; ids past n read NaN (which every pass skips). The block's threads make the same trips.
+template <typename F>
+__device__ __forceinline__ void strided_pass(const float* logits, int n, F f) {
+    for (int base = 0; base < n; base += SAMPLE_UNROLL * SAMPLE_THREADS) {
+        float v[SAMPLE_UNROLL];
+#pragma unroll
+        for (int j = 0; j < SAMPLE_UNROLL; ++j) {
+            const int c = base + j * SAMPLE_THREADS + (int)threadIdx.x;
+            v[j] = c < n ? logits[c] : SAMPLE_NAN;
+        }
+#pragma unroll
+        for (int j = 0; j < SAMPLE_UNROLL; ++j) f(base + j * SAMPLE_THREADS + (int)threadIdx.x, v[j]);
+    }
+}
+
+// f(id, logit) over this warp's chunk in id order, 32 ids (one a lane) at a time, SAMPLE_UNROLL
+// groups loaded before any is used; ids past the chunk read NaN. A warp's lanes make the same
+// trips, so f may use warp votes.
+template <typename F>
+__device__ __forceinline__ void chunk_pass(const float* logits, WarpChunk ch, F f) {
+    const int lane = threadIdx.x & 31;
+    for (int base = ch.lo; base < ch.hi; base += 32 * SAMPLE_UNROLL) {
+        float v[SAMPLE_UNROLL];
+#pragma unroll
+        for (int j = 0; j < SAMPLE_UNROLL; ++j) {
+            const int c = base + 32 * j + lane;
+            v[j] = c < ch.hi ? logits[c] : SAMPLE_NAN;
+        }
+#pragma unroll
+        for (int j = 0; j < SAMPLE_UNROLL; ++j) f(base + 32 * j + lane, v[j]);
+    }
 }
 
 // Each warp's value `v` (the same in all its lanes) summed over the warps before it, in warp
@@ -104,10 +142,9 @@ __device__ __forceinline__ void sample_done(int* out, int token, int status) {
 // The first maximum's id (0 when every value is NaN), as the host's argmax.
 __device__ __forceinline__ int sample_argmax(const float* logits, int n) {
     u64 best = 0;
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        const float v = logits[c];
+    strided_pass(logits, n, [&](int c, float v) {
         if (v == v) best = max(best, pack_max(v, c));
-    }
+    });
     best = block_reduce(best, [](u64 a, u64 b) { return max(a, b); });
     return best ? (int)(0xffffffffu - (u32)best) : 0;
 }
@@ -116,14 +153,14 @@ __device__ __forceinline__ void sample_whole_row(const float* logits, int n, flo
                                                  double u, int* out) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float m = NEG_INF;
-    for (int c = threadIdx.x; c < n; c += blockDim.x) m = fmaxf(m, logits[c]);  // fmaxf skips NaN
+    strided_pass(logits, n, [&](int, float v) { m = fmaxf(m, v); });  // fmaxf skips NaN
     m = block_reduce(m, [](float a, float b) { return fmaxf(a, b); });
     // min-p keeps p >= min_p * p_max, i.e. logit >= max + T ln(min_p); NaN fails every test.
     const float cutoff = min_p > 0.f ? m + temperature * logf(min_p) : NEG_INF;
     auto weight = [&](float v) { return v >= cutoff ? expf((v - m) / temperature) : 0.f; };
     const WarpChunk ch = warp_chunk(n);
     double s = 0.0;
-    for (int c = ch.lo + lane; c < ch.hi; c += 32) s += (double)weight(logits[c]);
+    chunk_pass(logits, ch, [&](int, float v) { s += (double)weight(v); });
     s = warp_sum_f64(s);
     double total;
     const double lo = warps_before(s, total);
@@ -139,35 +176,54 @@ __device__ __forceinline__ void sample_whole_row(const float* logits, int n, flo
     const bool mine = s > 0.0 && lo <= target && target < lo + s;
     const bool none = __syncthreads_or(mine) == 0;
     if (!(mine || (none && warp == last_positive_warp))) return;
-    // The walk, 32 ids at a time: the first positive weight whose inclusive prefix passes the
-    // target's offset r into this chunk (the host's r < w after subtracting those before it);
-    // past the chunk's end (rounding), its last positive weight.
-    const double r = target - lo;
-    double run = 0.0;
-    int pick = -1, last = -1;
-    for (int base = ch.lo; base < ch.hi; base += 32) {
-        const int c = base + lane;
-        const float w = c < ch.hi ? weight(logits[c]) : 0.f;
-        const double incl = run + warp_inclusive_scan_f64((double)w);
-        const unsigned positive = __ballot_sync(FULL_MASK, w > 0.f);
-        if (positive) last = base + 31 - __clz(positive);
-        const unsigned hit = __ballot_sync(FULL_MASK, mine && w > 0.f && r < incl);
-        if (hit) {
-            pick = base + __ffs(hit) - 1;
-            break;
+    // The walk through this chunk: each lane sums a contiguous part of it; the lane whose
+    // interval holds the target's offset r walks its part as the host does (r < w, else
+    // r -= w). Past every interval (rounding), or past the lane's part, the last positive weight.
+    const int part = (ch.hi - ch.lo + 31) / 32;
+    const int a = min(ch.hi, ch.lo + lane * part), b = min(ch.hi, a + part);
+    double own = 0.0;
+    int own_last = -1;
+    for (int c = a; c < b; ++c) {
+        const float w = weight(logits[c]);
+        if (w > 0.f) {
+            own += (double)w;
+            own_last = c;
         }
-        run = __shfl_sync(FULL_MASK, incl, 31);
     }
-    if (lane == 0) sample_done_by_this_thread(out, pick >= 0 ? pick : last, 0);
+    const double incl = warp_inclusive_scan_f64(own);
+    const double prev = __shfl_up_sync(FULL_MASK, incl, 1), excl = lane ? prev : 0.0;
+    int chunk_last = own_last;
+    for (int o = 16; o > 0; o >>= 1) chunk_last = max(chunk_last, __shfl_xor_sync(FULL_MASK, chunk_last, o));
+    const double r = target - lo;
+    const bool holds = mine && own > 0.0 && excl <= r && r < incl;
+    if (__ballot_sync(FULL_MASK, holds) == 0) {
+        if (lane == 0) sample_done_by_this_thread(out, chunk_last, 0);
+        return;
+    }
+    if (!holds) return;
+    double left = r - excl;
+    int pick = -1;
+    for (int c = a; c < b; ++c) {
+        const float w = weight(logits[c]);
+        if (w > 0.f) {
+            if (left < (double)w) {
+                pick = c;
+                break;
+            }
+            left -= (double)w;
+        }
+    }
+    sample_done_by_this_thread(out, pick >= 0 ? pick : own_last, 0);
 }
 
 __device__ __forceinline__ void sample_candidates(const float* logits, int n, float temperature, int limit,
-                                                  float top_p, float min_p, double u, int* out, u64* cand) {
+                                                  float top_p, float min_p, double u, int* out, u64* cand,
+                                                  bool aggregate) {
     __shared__ int hist[256];
     __shared__ int sel[2];
     const int tid = threadIdx.x, lane = tid & 31;
     int valid = 0;
-    for (int c = tid; c < n; c += blockDim.x) valid += logits[c] == logits[c];
+    strided_pass(logits, n, [&](int, float v) { valid += v == v; });
     valid = block_reduce(valid, [](int a, int b) { return a + b; });
     const int K = min(min(limit, SAMPLE_MAX_CAND), valid);
     if (K == 0) {  // every logit NaN
@@ -182,17 +238,16 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = tid; b < 256; b += blockDim.x) hist[b] = 0;
         __syncthreads();
-        for (int base = 0; base < n; base += blockDim.x) {  // the same trips for a warp's lanes
-            const int c = base + tid;
-            int bin = -1;
-            if (c < n) {
-                const float v = logits[c];
-                const u32 key = ordered_bits(v);
-                if (v == v && (key & mask) == prefix) bin = (key >> shift) & 255u;
+        strided_pass(logits, n, [&](int, float v) {
+            const u32 key = ordered_bits(v);
+            const int bin = v == v && (key & mask) == prefix ? (int)((key >> shift) & 255u) : -1;
+            if (aggregate) {
+                const unsigned same = __match_any_sync(FULL_MASK, bin);
+                if (bin >= 0 && lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
+            } else if (bin >= 0) {
+                atomicAdd(&hist[bin], 1);
             }
-            const unsigned same = __match_any_sync(FULL_MASK, bin);
-            if (bin >= 0 && lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
-        }
+        });
         __syncthreads();
         if (tid == 0) {
             int above = 0, b = 255;
@@ -209,32 +264,27 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
     // ties; each lane's place is its warp's count before it plus its rank among the 32.
     const WarpChunk ch = warp_chunk(n);
     const unsigned below = (1u << lane) - 1u;
-    auto classify = [&](int c, float& v) {  // 1: above the K-th key, 2: equal to it, 0: neither
-        if (c >= ch.hi) return 0;
-        v = logits[c];
-        if (v != v) return 0;
+    auto classify = [&](float v) {  // 1: above the K-th key, 2: equal to it, 0: neither (NaN)
         const u32 key = ordered_bits(v);
-        return key > prefix ? 1 : key == prefix ? 2 : 0;
+        return v != v ? 0 : key > prefix ? 1 : key == prefix ? 2 : 0;
     };
     int g = 0, e = 0;
-    for (int base = ch.lo; base < ch.hi; base += 32) {
-        float v;
-        const int kind = classify(base + lane, v);
+    chunk_pass(logits, ch, [&](int, float v) {
+        const int kind = classify(v);
         g += __popc(__ballot_sync(FULL_MASK, kind == 1));
         e += __popc(__ballot_sync(FULL_MASK, kind == 2));
-    }
+    });
     int unused;
     int gi = warps_before(g, unused), ei = warps_before(e, unused);
-    for (int base = ch.lo; base < ch.hi; base += 32) {
-        float v;
-        const int c = base + lane, kind = classify(c, v);
+    chunk_pass(logits, ch, [&](int c, float v) {
+        const int kind = classify(v);
         const unsigned bg = __ballot_sync(FULL_MASK, kind == 1), be = __ballot_sync(FULL_MASK, kind == 2);
         if (kind == 1) cand[gi + __popc(bg & below)] = pack_max(v, c);
         const int tie = ei + __popc(be & below);
         if (kind == 2 && tie < k) cand[K - k + tie] = pack_max(v, c);
         gi += __popc(bg);
         ei += __popc(be);
-    }
+    });
     int P = 1;
     while (P < K) P <<= 1;
     for (int i = K + tid; i < P; i += blockDim.x) cand[i] = 0;
@@ -265,10 +315,9 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
             double part = 0.0, all = 0.0;
             for (int i = tid; i < K; i += blockDim.x)
                 part += exp((double)((from_ordered_bits((u32)(cand[i] >> 32)) - top) / temperature));
-            for (int c = tid; c < n; c += blockDim.x) {
-                const float v = logits[c];
+            strided_pass(logits, n, [&](int, float v) {
                 if (v == v) all += exp((double)((v - top) / temperature));
-            }
+            });
             part = block_reduce(part, [](double a, double b) { return a + b; });
             all = block_reduce(all, [](double a, double b) { return a + b; });
             widen = (float)(part / all) < top_p;
@@ -331,7 +380,7 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_token(float* logits, int n, const u32* pen_ids, const float* pen_amount, int n_pen, float temperature,
                  int limit, float top_p, float min_p, double u, const double* u_at, int* out, int* params,
-                 int* host_out) {
+                 int* host_out, int aggregate) {
     __shared__ u64 cand[SAMPLE_MAX_CAND];  // 32 KiB: the candidates
     grid_dep();
     if (u_at) u = *u_at;
@@ -344,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     } else if (limit >= n && top_p >= 1.f) {
         sample_whole_row(logits, n, temperature, min_p, u, out);
     } else {
-        sample_candidates(logits, n, temperature, limit, top_p, min_p, u, out, cand);
+        sample_candidates(logits, n, temperature, limit, top_p, min_p, u, out, cand, aggregate != 0);
     }
     // Every path above has written `out` (whichever thread chose) before this barrier.
     __syncthreads();
