@@ -3028,8 +3028,7 @@ impl Backend for CudaBackend {
                 0u64,
                 out.ptr,
                 0u64,
-                0u64,
-                sample_aggregate()
+                0u64
             ]
         )?;
         let got = self.download_buf(&out)?;
@@ -3901,8 +3900,7 @@ impl CudaBackend {
                 self.ptr(&self.chain.draw),
                 self.ptr(&self.chain.sample_out),
                 params,
-                host_out,
-                sample_aggregate()
+                host_out
             ]
         )
     }
@@ -3915,11 +3913,6 @@ impl CudaBackend {
         unsafe { cudarc::driver::result::memcpy_htod_async(self.ptr(dst), data, self.cu_stream()) }
             .map_err(driver("upload"))
     }
-}
-
-/// EXPERIMENT: the radix histogram's warp aggregation (LILY_SAMPLE_MATCH=1).
-fn sample_aggregate() -> i32 {
-    std::env::var("LILY_SAMPLE_MATCH").is_ok_and(|v| v == "1") as i32
 }
 
 fn rewind(state: &mut DecodeState<CudaBackend>, pos: usize) {
