@@ -329,7 +329,7 @@ struct Kernels {
     step_argmax: CudaFunction,
     /// Token sampling on the device (kernels/sample.cu); `None` with `LILY_CUDA_SAMPLE=0`, when
     /// the host samples the row read back (to compare the two).
-    sample_token: Option<CudaFunction>,
+    sample: Option<SampleKernels>,
     conv1d_silu: CudaFunction,
     /// Key dims 64, 128, 256.
     gdn_recurrence: [CudaFunction; 3],
@@ -480,10 +480,14 @@ impl Kernels {
             split_q_gate: f("pointwise", "split_q_gate")?,
             argmax_rows: f("pointwise", "argmax_rows")?,
             step_argmax: f("pointwise", "step_argmax")?,
-            sample_token: if std::env::var("LILY_CUDA_SAMPLE").is_ok_and(|v| v == "0") {
+            sample: if std::env::var("LILY_CUDA_SAMPLE").is_ok_and(|v| v == "0") {
                 None
             } else {
-                Some(f("sample", "sample_token")?)
+                Some(SampleKernels {
+                    token: f("sample", "sample_token")?,
+                    row_max: f("sample", "sample_row_max")?,
+                    row_weights: f("sample", "sample_row_weights")?,
+                })
             },
             conv1d_silu: f("gdn", "conv1d_silu")?,
             gdn_recurrence: [
@@ -622,12 +626,32 @@ pub struct CudaBackend {
     in_place: AtomicBool,
 }
 
+/// kernels/sample.cu: `sample_token` (one block, every path), and the whole-row path on a grid.
+struct SampleKernels {
+    token: CudaFunction,
+    row_max: CudaFunction,
+    row_weights: CudaFunction,
+}
+
+/// Where a sampler launch takes its penalties and draw and leaves its choice: the draw `u`, or
+/// the device's `u_at` where that is not 0; `params` and `host_out` not 0 for a chained step.
+struct SampleIo {
+    penalties: (u64, u64, i32),
+    u: f64,
+    u_at: u64,
+    out: u64,
+    params: u64,
+    host_out: u64,
+}
+
 /// A chained decode step's device-side hand-offs: the greedy choice's packed key and ticket
 /// (zero between steps: `step_argmax`'s last block resets them), the sampler's draw (uploaded
 /// before each replay) and scratch, and the host's view of each step's choice.
 struct ChainBuffers {
     key: CudaSlice<u64>,
     ticket: CudaSlice<u32>,
+    /// `sample_row_weights`' ticket (zero between launches), chained or not.
+    row_ticket: CudaSlice<u32>,
     draw: CudaSlice<f64>,
     sample_out: CudaSlice<i32>,
     chosen: ChosenSlots,
@@ -1135,6 +1159,10 @@ impl CudaBackend {
                 .alloc_zeros::<u64>(1)
                 .map_err(driver("allocation"))?,
             ticket: dev
+                .stream
+                .alloc_zeros::<u32>(1)
+                .map_err(driver("allocation"))?,
+            row_ticket: dev
                 .stream
                 .alloc_zeros::<u32>(1)
                 .map_err(driver("allocation"))?,
@@ -2984,7 +3012,7 @@ impl Backend for CudaBackend {
     }
 
     fn sample(&self, logits: &CudaTensor, req: &DeviceSampling) -> Result<DeviceSample> {
-        let Some(sample_token) = &self.k.sample_token else {
+        let Some(kernels) = &self.k.sample else {
             return Ok(DeviceSample::RowNeeded { penalised: false });
         };
         plain!(self, logits);
@@ -2994,7 +3022,7 @@ impl Backend for CudaBackend {
                 logits.rows, logits.cols
             )));
         }
-        let (n, p) = (logits.cols, req.params);
+        let p = req.params;
         // The penalties' ids and amounts, uploaded only when there are any (null pointers else:
         // the kernel reads none).
         let penalties = if req.penalties.is_empty() {
@@ -3008,29 +3036,15 @@ impl Backend for CudaBackend {
             .as_ref()
             .map_or((0, 0), |(i, a)| (self.ptr(i), self.ptr(a)));
         let out = self.tmp::<i32>(2)?;
-        let limit = if p.top_k > 0 { p.top_k.min(n) } else { n };
-        // kernels/sample.cu: one block of SAMPLE_THREADS (1,024) threads.
-        launch!(
-            self,
-            sample_token,
-            cfg((1, 1), 1024, 0),
-            [
-                self.ptr(&logits.buf),
-                n as i32,
-                ids,
-                amounts,
-                req.penalties.len() as i32,
-                p.temperature,
-                limit as i32,
-                p.top_p,
-                p.min_p,
-                req.u,
-                0u64,
-                out.ptr,
-                0u64,
-                0u64
-            ]
-        )?;
+        let io = SampleIo {
+            penalties: (ids, amounts, req.penalties.len() as i32),
+            u: req.u,
+            u_at: 0,
+            out: out.ptr,
+            params: 0,
+            host_out: 0,
+        };
+        self.launch_sample(kernels, logits, p, &io)?;
         let got = self.download_buf(&out)?;
         Ok(if got[1] == 0 {
             DeviceSample::Chosen(got[0] as u32)
@@ -3685,7 +3699,7 @@ impl Backend for CudaBackend {
             && self.chains
             && !self.tracing.load(Ordering::Relaxed)
             && !p.has_penalties()
-            && (p.is_greedy() || self.k.sample_token.is_some())
+            && (p.is_greedy() || self.k.sample.is_some())
     }
 
     fn queue_decode_step(
@@ -3875,13 +3889,77 @@ impl CudaBackend {
                 ]
             );
         }
-        let sample_token = self
+        let kernels = self
             .k
-            .sample_token
+            .sample
             .as_ref()
             .ok_or_else(|| Error::Backend("the device sampler is off".into()))?;
+        let io = SampleIo {
+            penalties: (0, 0, 0),
+            u: 0.0,
+            u_at: self.ptr(&self.chain.draw),
+            out: self.ptr(&self.chain.sample_out),
+            params,
+            host_out,
+        };
+        self.launch_sample(kernels, logits, p, &io)
+    }
+
+    /// The sampler over one logits row for `p`: the whole-row path on a grid (kernels/sample.cu,
+    /// `sample_row_max` then `sample_row_weights`), every other choice on one block of
+    /// SAMPLE_THREADS (1,024) threads (`sample_token`).
+    fn launch_sample(
+        &self,
+        k: &SampleKernels,
+        logits: &CudaTensor,
+        p: &SamplingParams,
+        io: &SampleIo,
+    ) -> Result<()> {
+        let n = logits.cols;
         let limit = if p.top_k > 0 { p.top_k.min(n) } else { n };
-        // kernels/sample.cu: one block of SAMPLE_THREADS (1,024) threads.
+        let (pen_ids, pen_amounts, n_pen) = io.penalties;
+        // (Named as the kernels, for the profile's labels.)
+        let (sample_row_max, sample_row_weights, sample_token) =
+            (&k.row_max, &k.row_weights, &k.token);
+        if p.temperature > 0.0 && limit >= n && p.top_p >= 1.0 {
+            // SAMPLE_ROW_RANGE (2,048) ids a block of SAMPLE_ROW_THREADS (256).
+            let ranges = n.div_ceil(2048);
+            let range_max = self.tmp::<f32>(ranges)?;
+            let range_sum = self.tmp::<f64>(ranges)?;
+            let grid = cfg((ranges as u32, 1), 256, 0);
+            launch!(
+                self,
+                sample_row_max,
+                grid,
+                [
+                    self.ptr(&logits.buf),
+                    n as i32,
+                    pen_ids,
+                    pen_amounts,
+                    n_pen,
+                    range_max.ptr
+                ]
+            )?;
+            return launch!(
+                self,
+                sample_row_weights,
+                grid,
+                [
+                    self.ptr(&logits.buf),
+                    n as i32,
+                    range_max.ptr,
+                    p.temperature,
+                    p.min_p,
+                    io.u,
+                    io.u_at,
+                    range_sum.ptr,
+                    self.ptr(&self.chain.row_ticket),
+                    io.out,
+                    io.params,
+                    io.host_out
+                ]
+            );
+        }
         launch!(
             self,
             sample_token,
@@ -3889,18 +3967,18 @@ impl CudaBackend {
             [
                 self.ptr(&logits.buf),
                 n as i32,
-                0u64,
-                0u64,
-                0i32,
+                pen_ids,
+                pen_amounts,
+                n_pen,
                 p.temperature,
                 limit as i32,
                 p.top_p,
                 p.min_p,
-                0f64,
-                self.ptr(&self.chain.draw),
-                self.ptr(&self.chain.sample_out),
-                params,
-                host_out
+                io.u,
+                io.u_at,
+                io.out,
+                io.params,
+                io.host_out
             ]
         )
     }

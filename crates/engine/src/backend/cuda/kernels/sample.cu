@@ -1,19 +1,19 @@
 // Token sampling where the logits are: the host sampler's rule (engine/src/sampler.rs, `choose`)
 // with the host's draw u, so that a sampled decode step reads back one token id rather than the
-// vocabulary's row. One block of SAMPLE_THREADS threads does everything: the row (248,320 floats,
-// 1 MB) stays in L2 between its passes, and one block needs no grid-wide ordering. One SM's pass
-// over the row is bound by the loads it has in flight, so every pass issues SAMPLE_UNROLL loads a
-// thread before it uses any, and reads coalesced: strided over the block, or, where id order
-// matters, in warp chunks (each warp a contiguous run of ids, 32 at a time; the chunks tile the
-// row in warp order).
+// vocabulary's row.
 //
+//   whole row   no top-k below the vocabulary and top-p 1 (the OpenAI default): the weights
+//               exp((l - max) / T), zero below the min-p cutoff, on a grid of blocks
+//               (`sample_row_max`, `sample_row_weights`, at the end of this file);
+//   every other choice on one block of SAMPLE_THREADS threads (`sample_token`), the row
+//               (248,320 floats, 1 MB) in L2 between its passes; one SM's pass over the row is
+//               bound by the loads it has in flight, so every pass issues SAMPLE_UNROLL loads a
+//               thread before it uses any, and reads coalesced: strided over the block, or,
+//               where id order matters, in warp chunks (each warp a contiguous run of ids, 32 at
+//               a time; the chunks tile the row in warp order):
 //   penalties   logits[id] -= amount for each generated token, in place (the host falls back to
-//               the row already penalised);
+//               the row already penalised; the grid applies them by range);
 //   greedy      T <= 0 (penalties given): the first maximum, NaN never chosen;
-//   whole row   no top-k below the vocabulary and top-p 1: the weights exp((l - max) / T), zero
-//               below the min-p cutoff, summed in f64 per warp chunk; the chunks' sums, added in
-//               warp order, order their intervals as the host's walk does, and the warp whose
-//               interval holds u * total walks its chunk with f64 prefix sums;
 //   candidates  the K = min(limit, SAMPLE_MAX_CAND) largest logits (ties to the lower id): a
 //               radix select of the K-th largest key, a compaction in id order, a bitonic sort;
 //               then the host's softmax, top-p and min-p over them by one thread, in its order.
@@ -102,11 +102,6 @@ __device__ __forceinline__ T warps_before(T v, T& total) {
     return before;
 }
 
-__device__ __forceinline__ double warp_sum_f64(double v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
-}
-
 // Lane l gets v_0 + ... + v_l.
 __device__ __forceinline__ double warp_inclusive_scan_f64(double v) {
     const int lane = threadIdx.x & 31;
@@ -147,73 +142,6 @@ __device__ __forceinline__ int sample_argmax(const float* logits, int n) {
     });
     best = block_reduce(best, [](u64 a, u64 b) { return max(a, b); });
     return best ? (int)(0xffffffffu - (u32)best) : 0;
-}
-
-__device__ __forceinline__ void sample_whole_row(const float* logits, int n, float temperature, float min_p,
-                                                 double u, int* out) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float m = NEG_INF;
-    strided_pass(logits, n, [&](int, float v) { m = fmaxf(m, v); });  // fmaxf skips NaN
-    m = block_reduce(m, [](float a, float b) { return fmaxf(a, b); });
-    // min-p keeps p >= min_p * p_max, i.e. logit >= max + T ln(min_p); NaN fails every test.
-    const float cutoff = min_p > 0.f ? m + temperature * logf(min_p) : NEG_INF;
-    auto weight = [&](float v) { return v >= cutoff ? expf((v - m) / temperature) : 0.f; };
-    const WarpChunk ch = warp_chunk(n);
-    double s = 0.0;
-    chunk_pass(logits, ch, [&](int, float v) { s += (double)weight(v); });
-    s = warp_sum_f64(s);
-    double total;
-    const double lo = warps_before(s, total);
-    if (!(total > 0.0)) {  // no weight at all: the host takes the argmax
-        const int t = sample_argmax(logits, n);
-        sample_done(out, t, 0);
-        return;
-    }
-    const double target = u * total;
-    // The chunks' intervals [lo, lo + s) tile [0, total): exactly one holds the target, unless
-    // rounding put it at total, where the host takes the last positive weight.
-    const int last_positive_warp = block_reduce(s > 0.0 ? warp : -1, [](int a, int b) { return max(a, b); });
-    const bool mine = s > 0.0 && lo <= target && target < lo + s;
-    const bool none = __syncthreads_or(mine) == 0;
-    if (!(mine || (none && warp == last_positive_warp))) return;
-    // The walk through this chunk: each lane sums a contiguous part of it; the lane whose
-    // interval holds the target's offset r walks its part as the host does (r < w, else
-    // r -= w). Past every interval (rounding), or past the lane's part, the last positive weight.
-    const int part = (ch.hi - ch.lo + 31) / 32;
-    const int a = min(ch.hi, ch.lo + lane * part), b = min(ch.hi, a + part);
-    double own = 0.0;
-    int own_last = -1;
-    for (int c = a; c < b; ++c) {
-        const float w = weight(logits[c]);
-        if (w > 0.f) {
-            own += (double)w;
-            own_last = c;
-        }
-    }
-    const double incl = warp_inclusive_scan_f64(own);
-    const double prev = __shfl_up_sync(FULL_MASK, incl, 1), excl = lane ? prev : 0.0;
-    int chunk_last = own_last;
-    for (int o = 16; o > 0; o >>= 1) chunk_last = max(chunk_last, __shfl_xor_sync(FULL_MASK, chunk_last, o));
-    const double r = target - lo;
-    const bool holds = mine && own > 0.0 && excl <= r && r < incl;
-    if (__ballot_sync(FULL_MASK, holds) == 0) {
-        if (lane == 0) sample_done_by_this_thread(out, chunk_last, 0);
-        return;
-    }
-    if (!holds) return;
-    double left = r - excl;
-    int pick = -1;
-    for (int c = a; c < b; ++c) {
-        const float w = weight(logits[c]);
-        if (w > 0.f) {
-            if (left < (double)w) {
-                pick = c;
-                break;
-            }
-            left -= (double)w;
-        }
-    }
-    sample_done_by_this_thread(out, pick >= 0 ? pick : own_last, 0);
 }
 
 __device__ __forceinline__ void sample_candidates(const float* logits, int n, float temperature, int limit,
@@ -366,7 +294,8 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
     out[1] = 0;
 }
 
-// Launch with one block of SAMPLE_THREADS threads. `limit` is min(top_k, n), or n without top-k.
+// Launch with one block of SAMPLE_THREADS threads, for every choice but the whole row (which it
+// would send back to the host). `limit` is min(top_k, n), or n without top-k.
 // The draw is `u`, or *u_at where u_at is not null (a recorded step reads the draw uploaded before
 // each replay). With `params` not null the sample ends a chained decode step (finish_chained_step
 // into `host_out`); `out` is then the kernel's scratch.
@@ -383,12 +312,175 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (!(temperature > 0.f)) {
         const int t = sample_argmax(logits, n);
         sample_done(out, t, 0);
-    } else if (limit >= n && top_p >= 1.f) {
-        sample_whole_row(logits, n, temperature, min_p, u, out);
     } else {
         sample_candidates(logits, n, temperature, limit, top_p, min_p, u, out, cand);
     }
     // Every path above has written `out` (whichever thread chose) before this barrier.
     __syncthreads();
     if (params && threadIdx.x == 0) finish_chained_step(params, host_out, out[0], out[1]);
+}
+
+// The whole-row path on a grid: temperature sampling with top-p 1 and no top-k below the row
+// (the OpenAI default), which on one block is bound by its arithmetic (a division and an exact
+// expf a logit, 248,320 times on one SM). Two launches of SAMPLE_ROW_THREADS threads a block,
+// each block a range of SAMPLE_ROW_RANGE ids; the same rule and draw as `sample_whole_row`:
+//   sample_row_max      the penalties of its range applied in place, then its range's maximum;
+//   sample_row_weights  the row's maximum from the ranges', its range's weights summed in f64;
+//                       the last block to finish adds the ranges' sums in order, finds the
+//                       range whose interval holds u * total (past every interval, by rounding,
+//                       the last positive range), and walks it: each thread sums eight
+//                       contiguous ids, and the thread whose interval holds the offset walks
+//                       them as the host does (past its ids, its last positive weight).
+constexpr int SAMPLE_ROW_THREADS = 256;
+constexpr int SAMPLE_ROW_PER_THREAD = 8;
+constexpr int SAMPLE_ROW_RANGE = SAMPLE_ROW_THREADS * SAMPLE_ROW_PER_THREAD;
+
+// Inclusive scan over a block of up to 1,024 threads, the warps' sums added in order.
+__device__ __forceinline__ double block_inclusive_scan_f64(double v) {
+    double* part = reinterpret_cast<double*>(sample_scratch());
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_inclusive_scan_f64(v);
+    __syncthreads();  // `part` may still be read by a previous call
+    if (lane == 31) part[warp] = v;
+    __syncthreads();
+    double before = 0.0;
+    for (int w = 0; w < warp; ++w) before += part[w];
+    return v + before;
+}
+
+// Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks.
+extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
+    sample_row_max(float* logits, int n, const u32* pen_ids, const float* pen_amount, int n_pen, float* range_max) {
+    grid_dep();
+    const int lo = blockIdx.x * SAMPLE_ROW_RANGE, hi = min(n, lo + SAMPLE_ROW_RANGE);
+    for (int j = threadIdx.x; j < n_pen; j += blockDim.x)
+        if (pen_ids[j] >= (u32)lo && pen_ids[j] < (u32)hi) logits[pen_ids[j]] -= pen_amount[j];
+    __syncthreads();  // the penalised range is what the maximum reads
+    float v[SAMPLE_ROW_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
+        const int c = lo + j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
+        v[j] = c < hi ? logits[c] : SAMPLE_NAN;
+    }
+    float m = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) m = fmaxf(m, v[j]);  // fmaxf skips NaN
+    m = block_reduce(m, [](float a, float b) { return fmaxf(a, b); });
+    if (threadIdx.x == 0) range_max[blockIdx.x] = m;
+}
+
+// Launch as sample_row_max, after it; `ticket` zero (the last block leaves it so). The draw is
+// `u`, or *u_at where u_at is not null; with `params` not null the sample ends a chained decode
+// step (finish_chained_step into `host_out`), `out` then the kernel's scratch.
+extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
+    sample_row_weights(const float* logits, int n, const float* range_max, float temperature, float min_p,
+                       double u, const double* u_at, double* range_sum, u32* ticket, int* out, int* params,
+                       int* host_out) {
+    grid_dep();
+    const int tid = threadIdx.x, ranges = gridDim.x;
+    float m = NEG_INF;
+    for (int r = tid; r < ranges; r += blockDim.x) m = fmaxf(m, range_max[r]);
+    m = block_reduce(m, [](float a, float b) { return fmaxf(a, b); });
+    // min-p keeps p >= min_p * p_max, i.e. logit >= max + T ln(min_p); NaN fails every test.
+    const float cutoff = min_p > 0.f ? m + temperature * logf(min_p) : NEG_INF;
+    auto weight = [&](float v) { return v >= cutoff ? expf((v - m) / temperature) : 0.f; };
+    {
+        const int lo = blockIdx.x * SAMPLE_ROW_RANGE, hi = min(n, lo + SAMPLE_ROW_RANGE);
+        float v[SAMPLE_ROW_PER_THREAD];
+#pragma unroll
+        for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
+            const int c = lo + j * SAMPLE_ROW_THREADS + tid;
+            v[j] = c < hi ? logits[c] : SAMPLE_NAN;
+        }
+        double s = 0.0;
+#pragma unroll
+        for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) s += (double)weight(v[j]);
+        s = block_reduce(s, [](double a, double b) { return a + b; });
+        __shared__ bool last_block;
+        if (tid == 0) {
+            range_sum[blockIdx.x] = s;
+            __threadfence();  // this range's sum is visible before its ticket counts
+            last_block = atomicAdd(ticket, 1u) == (u32)ranges - 1;
+        }
+        __syncthreads();
+        if (!last_block) return;
+    }
+    // The last block: every range's sum is in range_sum.
+    __threadfence();
+    if (u_at) u = *u_at;
+    __shared__ double sh_total, sh_offset;
+    __shared__ int sh_range;
+    if (tid == 0) {
+        *ticket = 0;
+        const volatile double* sums = range_sum;
+        double total = 0.0;
+        for (int r = 0; r < ranges; ++r) total += sums[r];
+        const double target = u * total;
+        double acc = 0.0, offset = __longlong_as_double(0x7ff0000000000000ll);  // +inf
+        int chosen = -1, last_positive = -1;
+        for (int r = 0; r < ranges; ++r) {
+            const double sr = sums[r];
+            if (sr > 0.0) {
+                last_positive = r;
+                if (chosen < 0 && acc <= target && target < acc + sr) {
+                    chosen = r;
+                    offset = target - acc;
+                }
+            }
+            acc += sr;
+        }
+        sh_total = total;
+        sh_range = chosen >= 0 ? chosen : last_positive;
+        sh_offset = offset;  // infinite: no interval holds it, the range's last positive weight
+    }
+    __syncthreads();
+    if (!(sh_total > 0.0)) {  // no weight at all: the host takes the argmax
+        u64 best = 0;
+        for (int c = tid; c < n; c += blockDim.x) {
+            const float v = logits[c];
+            if (v == v) best = max(best, pack_max(v, c));
+        }
+        best = block_reduce(best, [](u64 a, u64 b) { return max(a, b); });
+        if (tid == 0) sample_done_by_this_thread(out, best ? (int)(0xffffffffu - (u32)best) : 0, 0);
+    } else {
+        const int a = min(n, sh_range * SAMPLE_ROW_RANGE + tid * SAMPLE_ROW_PER_THREAD);
+        const int b = min(n, a + SAMPLE_ROW_PER_THREAD);
+        double own = 0.0;
+        int own_last = -1;
+        for (int c = a; c < b; ++c) {
+            const float w = weight(logits[c]);
+            if (w > 0.f) {
+                own += (double)w;
+                own_last = c;
+            }
+        }
+        // Each thread's interval [excl, incl), excl exactly the previous thread's incl.
+        __shared__ double scan[SAMPLE_ROW_THREADS];
+        const double incl = block_inclusive_scan_f64(own);
+        scan[tid] = incl;
+        __syncthreads();
+        const double excl = tid ? scan[tid - 1] : 0.0;
+        const int range_last = block_reduce(own_last, [](int x, int y) { return max(x, y); });
+        const double r = sh_offset;
+        const bool holds = own > 0.0 && excl <= r && r < incl;
+        if (__syncthreads_or(holds) == 0) {
+            if (tid == 0) sample_done_by_this_thread(out, range_last, 0);
+        } else if (holds) {
+            double left = r - excl;
+            int pick = -1;
+            for (int c = a; c < b; ++c) {
+                const float w = weight(logits[c]);
+                if (w > 0.f) {
+                    if (left < (double)w) {
+                        pick = c;
+                        break;
+                    }
+                    left -= (double)w;
+                }
+            }
+            sample_done_by_this_thread(out, pick >= 0 ? pick : own_last, 0);
+        }
+    }
+    __syncthreads();
+    if (params && tid == 0) finish_chained_step(params, host_out, out[0], out[1]);
 }
