@@ -487,6 +487,8 @@ impl Kernels {
                     token: f("sample", "sample_token")?,
                     row_max: f("sample", "sample_row_max")?,
                     row_weights: f("sample", "sample_row_weights")?,
+                    row_top: f("sample", "sample_row_top")?,
+                    top_merge: f("sample", "sample_top_merge")?,
                 })
             },
             conv1d_silu: f("gdn", "conv1d_silu")?,
@@ -626,11 +628,14 @@ pub struct CudaBackend {
     in_place: AtomicBool,
 }
 
-/// kernels/sample.cu: `sample_token` (one block, every path), and the whole-row path on a grid.
+/// kernels/sample.cu: `sample_token` (one block, any choice), the whole-row path on a grid
+/// (`row_max`, `row_weights`), and a small top-k on a grid (`row_top`, `top_merge`).
 struct SampleKernels {
     token: CudaFunction,
     row_max: CudaFunction,
     row_weights: CudaFunction,
+    row_top: CudaFunction,
+    top_merge: CudaFunction,
 }
 
 /// Where a sampler launch takes its penalties and draw and leaves its choice: the draw `u`, or
@@ -3905,9 +3910,10 @@ impl CudaBackend {
         self.launch_sample(kernels, logits, p, &io)
     }
 
-    /// The sampler over one logits row for `p`: the whole-row path on a grid (kernels/sample.cu,
-    /// `sample_row_max` then `sample_row_weights`), every other choice on one block of
-    /// SAMPLE_THREADS (1,024) threads (`sample_token`).
+    /// The sampler over one logits row for `p` (kernels/sample.cu): the whole-row path on a grid
+    /// (`sample_row_max` then `sample_row_weights`), a top-k whose ranges' best fit one block's
+    /// candidates on a grid (`sample_row_top` then `sample_top_merge`), every other choice on one
+    /// block of SAMPLE_THREADS (1,024) threads (`sample_token`).
     fn launch_sample(
         &self,
         k: &SampleKernels,
@@ -3921,9 +3927,11 @@ impl CudaBackend {
         // (Named as the kernels, for the profile's labels.)
         let (sample_row_max, sample_row_weights, sample_token) =
             (&k.row_max, &k.row_weights, &k.token);
+        let (sample_row_top, sample_top_merge) = (&k.row_top, &k.top_merge);
+        // SAMPLE_ROW_RANGE (2,048) ids a block of SAMPLE_ROW_THREADS (256).
+        let ranges = n.div_ceil(2048);
+        let kb = limit.min(2048);
         if p.temperature > 0.0 && limit >= n && p.top_p >= 1.0 {
-            // SAMPLE_ROW_RANGE (2,048) ids a block of SAMPLE_ROW_THREADS (256).
-            let ranges = n.div_ceil(2048);
             let range_max = self.tmp::<f32>(ranges)?;
             let range_sum = self.tmp::<f64>(ranges)?;
             let grid = cfg((ranges as u32, 1), 256, 0);
@@ -3954,6 +3962,42 @@ impl CudaBackend {
                     io.u_at,
                     range_sum.ptr,
                     self.ptr(&self.chain.row_ticket),
+                    io.out,
+                    io.params,
+                    io.host_out
+                ]
+            );
+        }
+        // SAMPLE_MAX_CAND (4,096) keys in the merging block; such a top-k never widens.
+        if p.temperature > 0.0 && limit <= 4096 && kb * ranges <= 4096 {
+            let range_top = self.tmp::<u64>(kb * ranges)?;
+            launch!(
+                self,
+                sample_row_top,
+                cfg((ranges as u32, 1), 256, 0),
+                [
+                    self.ptr(&logits.buf),
+                    n as i32,
+                    pen_ids,
+                    pen_amounts,
+                    n_pen,
+                    kb as i32,
+                    range_top.ptr
+                ]
+            )?;
+            return launch!(
+                self,
+                sample_top_merge,
+                cfg((1, 1), 1024, 0),
+                [
+                    range_top.ptr,
+                    (kb * ranges) as i32,
+                    limit as i32,
+                    p.temperature,
+                    p.top_p,
+                    p.min_p,
+                    io.u,
+                    io.u_at,
                     io.out,
                     io.params,
                     io.host_out

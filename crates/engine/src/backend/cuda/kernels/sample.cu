@@ -144,6 +144,79 @@ __device__ __forceinline__ int sample_argmax(const float* logits, int n) {
     return best ? (int)(0xffffffffu - (u32)best) : 0;
 }
 
+// Bitonic sort of a[0, P) in shared memory, largest first (P a power of two; every thread of
+// the block calls it).
+__device__ __forceinline__ void sort_descending(u64* a, int P) {
+    for (int size = 2; size <= P; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < P; i += blockDim.x) {
+                const int j = i ^ stride;
+                if (j > i) {
+                    const u64 x = a[i], y = a[j];
+                    if ((x < y) == ((i & size) == 0)) {
+                        a[i] = y;
+                        a[j] = x;
+                    }
+                }
+            }
+        }
+    __syncthreads();
+}
+
+// The host's choice among its K candidates, cand[0, K) the packed (value, id) keys sorted
+// largest first (every thread of the block calls it; thread 0 writes out).
+__device__ __forceinline__ void choose_among(u64* cand, int K, float temperature, float top_p, float min_p,
+                                             double u, int* out) {
+    const int tid = threadIdx.x;
+    const float top = from_ordered_bits((u32)(cand[0] >> 32));
+    __syncthreads();  // every thread has read cand[0] before the loop below rewrites it
+    // Each candidate becomes (exp((l - top) / T) bits, id); one thread then follows the host's
+    // softmax, top-p, min-p and walk in order.
+    for (int i = tid; i < K; i += blockDim.x) {
+        const u64 c = cand[i];
+        const float w = expf((from_ordered_bits((u32)(c >> 32)) - top) / temperature);
+        cand[i] = ((u64)__float_as_uint(w) << 32) | (u64)(0xffffffffu - (u32)c);
+    }
+    __syncthreads();
+    if (tid != 0) return;
+    auto prob_raw = [&](int i) { return __uint_as_float((u32)(cand[i] >> 32)); };
+    float z = 0.f;
+    for (int i = 0; i < K; ++i) z += prob_raw(i);
+    auto prob = [&](int i) { return prob_raw(i) / z; };
+    int keep = K;
+    if (top_p < 1.f) {
+        float acc = 0.f;
+        for (int i = 0; i < K; ++i) {
+            acc += prob(i);
+            if (acc >= top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if (min_p > 0.f) {
+        const float floor = min_p * prob(0);
+        int above = 0;
+        while (above < K && prob(above) >= floor) ++above;
+        keep = min(keep, max(above, 1));
+    }
+    float total = 0.f;
+    for (int i = 0; i < keep; ++i) total += prob(i);
+    float r = (float)u * total;
+    int pick = keep - 1;
+    for (int i = 0; i < keep; ++i) {
+        const float p = prob(i);
+        if (r < p) {
+            pick = i;
+            break;
+        }
+        r -= p;
+    }
+    out[0] = (int)(u32)cand[pick];
+    out[1] = 0;
+}
+
 __device__ __forceinline__ void sample_candidates(const float* logits, int n, float temperature, int limit,
                                                   float top_p, float min_p, double u, int* out, u64* cand) {
     __shared__ int hist[256];
@@ -209,22 +282,7 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
     int P = 1;
     while (P < K) P <<= 1;
     for (int i = K + tid; i < P; i += blockDim.x) cand[i] = 0;
-    // Bitonic sort, largest first.
-    for (int size = 2; size <= P; size <<= 1)
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            __syncthreads();
-            for (int i = tid; i < P; i += blockDim.x) {
-                const int j = i ^ stride;
-                if (j > i) {
-                    const u64 a = cand[i], b = cand[j];
-                    if ((a < b) == ((i & size) == 0)) {
-                        cand[i] = b;
-                        cand[j] = a;
-                    }
-                }
-            }
-        }
-    __syncthreads();
+    sort_descending(cand, P);
     const float top = from_ordered_bits((u32)(cand[0] >> 32));
     // Where the host would widen past these candidates: the nucleus checked against the whole
     // row's mass (f64, as the host), or more candidates wanted without top-p.
@@ -248,50 +306,7 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
             return;
         }
     }
-    // Each candidate becomes (exp((l - top) / T) bits, id); one thread then follows the host's
-    // softmax, top-p, min-p and walk in order.
-    for (int i = tid; i < K; i += blockDim.x) {
-        const u64 c = cand[i];
-        const float w = expf((from_ordered_bits((u32)(c >> 32)) - top) / temperature);
-        cand[i] = ((u64)__float_as_uint(w) << 32) | (u64)(0xffffffffu - (u32)c);
-    }
-    __syncthreads();
-    if (tid != 0) return;
-    auto prob_raw = [&](int i) { return __uint_as_float((u32)(cand[i] >> 32)); };
-    float z = 0.f;
-    for (int i = 0; i < K; ++i) z += prob_raw(i);
-    auto prob = [&](int i) { return prob_raw(i) / z; };
-    int keep = K;
-    if (top_p < 1.f) {
-        float acc = 0.f;
-        for (int i = 0; i < K; ++i) {
-            acc += prob(i);
-            if (acc >= top_p) {
-                keep = i + 1;
-                break;
-            }
-        }
-    }
-    if (min_p > 0.f) {
-        const float floor = min_p * prob(0);
-        int above = 0;
-        while (above < K && prob(above) >= floor) ++above;
-        keep = min(keep, max(above, 1));
-    }
-    float total = 0.f;
-    for (int i = 0; i < keep; ++i) total += prob(i);
-    float r = (float)u * total;
-    int pick = keep - 1;
-    for (int i = 0; i < keep; ++i) {
-        const float p = prob(i);
-        if (r < p) {
-            pick = i;
-            break;
-        }
-        r -= p;
-    }
-    out[0] = (int)(u32)cand[pick];
-    out[1] = 0;
+    choose_among(cand, K, temperature, top_p, min_p, u, out);
 }
 
 // Launch with one block of SAMPLE_THREADS threads, for every choice but the whole row (which it
@@ -483,4 +498,66 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     }
     __syncthreads();
     if (params && tid == 0) finish_chained_step(params, host_out, out[0], out[1]);
+}
+
+// The top-k path on a grid, for a top-k small enough that every range's `kb` best fit one
+// block's candidates (kb = min(top-k, SAMPLE_ROW_RANGE), kb * ranges <= SAMPLE_MAX_CAND: a
+// top-k up to 33 on a 248,320-entry row, as Qwen's advised 20). Such a choice never looks past
+// the best top-k, so the host's candidates are the best top-k of the ranges' best:
+//   sample_row_top    the penalties of its range applied in place, then its range's kb largest
+//                     packed (value, id) keys (ties to the lower id; 0 where it has fewer) by a
+//                     bitonic sort of its SAMPLE_ROW_RANGE;
+//   sample_top_merge  one block of SAMPLE_THREADS: the ranges' keys sorted again; the best
+//                     min(top-k, valid) are the host's candidates, and its softmax, top-p, min-p
+//                     and walk choose among them (choose_among).
+
+// Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks.
+extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
+    sample_row_top(float* logits, int n, const u32* pen_ids, const float* pen_amount, int n_pen, int kb,
+                   u64* range_top) {
+    __shared__ u64 keys[SAMPLE_ROW_RANGE];  // 16 KiB
+    grid_dep();
+    const int lo = blockIdx.x * SAMPLE_ROW_RANGE, hi = min(n, lo + SAMPLE_ROW_RANGE);
+    for (int j = threadIdx.x; j < n_pen; j += blockDim.x)
+        if (pen_ids[j] >= (u32)lo && pen_ids[j] < (u32)hi) logits[pen_ids[j]] -= pen_amount[j];
+    __syncthreads();  // the penalised range is what the keys read
+    float v[SAMPLE_ROW_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
+        const int c = lo + j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
+        v[j] = c < hi ? logits[c] : SAMPLE_NAN;
+    }
+#pragma unroll
+    for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
+        const int i = j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
+        keys[i] = v[j] == v[j] ? pack_max(v[j], lo + i) : 0;
+    }
+    sort_descending(keys, SAMPLE_ROW_RANGE);
+    for (int i = threadIdx.x; i < kb; i += blockDim.x) range_top[blockIdx.x * kb + i] = keys[i];
+}
+
+// Launch with one block of SAMPLE_THREADS threads after sample_row_top; `count` = kb * ranges
+// (at most SAMPLE_MAX_CAND). The draw is `u`, or *u_at where u_at is not null; with `params` not
+// null the sample ends a chained decode step (finish_chained_step into `host_out`), `out` then
+// the kernel's scratch.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_top_merge(const u64* range_top, int count, int limit, float temperature, float top_p, float min_p,
+                     double u, const double* u_at, int* out, int* params, int* host_out) {
+    __shared__ u64 cand[SAMPLE_MAX_CAND];  // 32 KiB
+    grid_dep();
+    if (u_at) u = *u_at;
+    int P = 1;
+    while (P < count) P <<= 1;
+    int valid = 0;
+    for (int i = threadIdx.x; i < P; i += blockDim.x) {
+        cand[i] = i < count ? range_top[i] : 0;
+        valid += cand[i] != 0;
+    }
+    valid = block_reduce(valid, [](int a, int b) { return a + b; });
+    sort_descending(cand, P);
+    const int K = min(limit, valid);
+    if (K == 0) sample_done(out, 0, 0);  // every logit NaN
+    else choose_among(cand, K, temperature, top_p, min_p, u, out);
+    __syncthreads();
+    if (params && threadIdx.x == 0) finish_chained_step(params, host_out, out[0], out[1]);
 }
