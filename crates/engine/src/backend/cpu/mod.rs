@@ -49,8 +49,7 @@ pub struct CpuRouting {
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     simd: Simd,
-    /// With `chaining`: the tokens chained steps chose and the host has not read, by the
-    /// position each step fed.
+    /// With `chaining`: the tokens the last two chained steps chose, by the position each fed.
     chained: Option<std::sync::Mutex<Vec<(usize, u32)>>>,
 }
 
@@ -152,20 +151,23 @@ impl Backend for CpuBackend {
                 })?,
         };
         let logits = forward(state, token)?;
+        // As on a GPU, a step's choice stays readable until two later steps are queued.
+        chosen.retain(|&(p, _)| p + 1 >= pos);
         chosen.push((pos, choose(choice.params, &logits.data, choice.u)));
         Ok(QueuedStep { pos })
     }
 
     fn chosen_token(&self, step: QueuedStep) -> Result<u32> {
-        let mut chosen = self.chain()?;
-        let at = chosen.iter().position(|&(p, _)| p == step.pos);
-        let (_, t) = chosen.remove(at.ok_or_else(|| {
-            Error::Backend(format!(
-                "the chained decode step at position {} left no token",
-                step.pos
-            ))
-        })?);
-        Ok(t)
+        self.chain()?
+            .iter()
+            .find(|&&(p, _)| p == step.pos)
+            .map(|&(_, t)| t)
+            .ok_or_else(|| {
+                Error::Backend(format!(
+                    "the chained decode step at position {} left no token",
+                    step.pos
+                ))
+            })
     }
 
     fn upload_qmatrix(&self, w: QWeight) -> Result<QWeight> {

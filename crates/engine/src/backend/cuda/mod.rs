@@ -717,6 +717,11 @@ impl ChosenSlots {
     }
 }
 
+/// `n` zeroed elements on the device's stream.
+fn zeroed<T: DeviceRepr + ValidAsZeroBits>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+    dev.stream.alloc_zeros::<T>(n).map_err(driver("allocation"))
+}
+
 /// How a recorded decode step ends.
 #[derive(Clone, Copy)]
 enum StepEnd<'a> {
@@ -1140,42 +1145,16 @@ impl CudaBackend {
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
         let dev = CudaDevice::open(ordinal)?;
         let k = Kernels::load(&dev)?;
-        let params = dev
-            .stream
-            .alloc_zeros::<i32>(2)
-            .map_err(driver("allocation"))?;
-        let mix_counters = dev
-            .stream
-            .alloc_zeros::<u32>(MIX_COUNTERS)
-            .map_err(driver("allocation"))?;
-        let ids_ready = dev
-            .stream
-            .alloc_zeros::<u32>(2)
-            .map_err(driver("allocation"))?;
-        let zeros_of = |n| {
-            dev.stream
-                .alloc_zeros::<i32>(n)
-                .map_err(driver("allocation"))
-        };
+        let params = zeroed(&dev, 2)?;
+        let mix_counters = zeroed(&dev, MIX_COUNTERS)?;
+        let ids_ready = zeroed(&dev, 2)?;
         let event = || dev.ctx.new_event(None).map_err(driver("event"));
         let chain = ChainBuffers {
-            key: dev
-                .stream
-                .alloc_zeros::<u64>(1)
-                .map_err(driver("allocation"))?,
-            ticket: dev
-                .stream
-                .alloc_zeros::<u32>(1)
-                .map_err(driver("allocation"))?,
-            row_ticket: dev
-                .stream
-                .alloc_zeros::<u32>(1)
-                .map_err(driver("allocation"))?,
-            draw: dev
-                .stream
-                .alloc_zeros::<f64>(1)
-                .map_err(driver("allocation"))?,
-            sample_out: zeros_of(2)?,
+            key: zeroed(&dev, 1)?,
+            ticket: zeroed(&dev, 1)?,
+            row_ticket: zeroed(&dev, 1)?,
+            draw: zeroed(&dev, 1)?,
+            sample_out: zeroed(&dev, 2)?,
             chosen: ChosenSlots::new(&dev)?,
             done: [event()?, event()?],
         };
