@@ -363,28 +363,20 @@ __device__ __forceinline__ double block_inclusive_scan_f64(double v) {
     return v + before;
 }
 
-// This block's range of the row with its penalties applied in place: v[j] = logits[lo + j *
-// SAMPLE_ROW_THREADS + tid] (NaN past n), every load issued before any is used; returns lo.
-__device__ __forceinline__ int penalised_range(float* logits, int n, const u32* pen_ids, const float* pen_amount,
-                                               int n_pen, float (&v)[SAMPLE_ROW_PER_THREAD]) {
+// Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks.
+extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
+    sample_row_max(float* logits, int n, const u32* pen_ids, const float* pen_amount, int n_pen, float* range_max) {
+    grid_dep();
     const int lo = blockIdx.x * SAMPLE_ROW_RANGE, hi = min(n, lo + SAMPLE_ROW_RANGE);
     for (int j = threadIdx.x; j < n_pen; j += blockDim.x)
         if (pen_ids[j] >= (u32)lo && pen_ids[j] < (u32)hi) logits[pen_ids[j]] -= pen_amount[j];
-    __syncthreads();  // the penalised range is what the loads read
+    __syncthreads();  // the penalised range is what the maximum reads
+    float v[SAMPLE_ROW_PER_THREAD];
 #pragma unroll
     for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
         const int c = lo + j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
         v[j] = c < hi ? logits[c] : SAMPLE_NAN;
     }
-    return lo;
-}
-
-// Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks.
-extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
-    sample_row_max(float* logits, int n, const u32* pen_ids, const float* pen_amount, int n_pen, float* range_max) {
-    grid_dep();
-    float v[SAMPLE_ROW_PER_THREAD];
-    penalised_range(logits, n, pen_ids, pen_amount, n_pen, v);
     float m = NEG_INF;
 #pragma unroll
     for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) m = fmaxf(m, v[j]);  // fmaxf skips NaN
@@ -525,8 +517,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
                    u64* range_top) {
     __shared__ u64 keys[SAMPLE_ROW_RANGE];  // 16 KiB
     grid_dep();
+    const int lo = blockIdx.x * SAMPLE_ROW_RANGE, hi = min(n, lo + SAMPLE_ROW_RANGE);
+    for (int j = threadIdx.x; j < n_pen; j += blockDim.x)
+        if (pen_ids[j] >= (u32)lo && pen_ids[j] < (u32)hi) logits[pen_ids[j]] -= pen_amount[j];
+    __syncthreads();  // the penalised range is what the keys read
     float v[SAMPLE_ROW_PER_THREAD];
-    const int lo = penalised_range(logits, n, pen_ids, pen_amount, n_pen, v);
+#pragma unroll
+    for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
+        const int c = lo + j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
+        v[j] = c < hi ? logits[c] : SAMPLE_NAN;
+    }
 #pragma unroll
     for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
         const int i = j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
