@@ -166,7 +166,7 @@ def build(d: str):
         "machine": machine,
         "workload": {
             "context": "prompt length N: prefill tok/s of an N-token prompt, then decode tok/s after it",
-            "lily": "lily bench --prompt-len N: prefill to the first token, then sequential decode steps",
+            "lily": "lily bench --prompt-len N: prefill to the first token, then decode steps one token each (on a GPU chained: each step queued before the token of the one before is read)",
             "llama_cpp": "llama-bench: prefill = pp<N> on an empty context, decode = tg<steps> at depth N",
             "mlx_lm": "tools/peers/bench_mlx_cuda.py: lily's prompt formula, 64 decode steps",
         },
