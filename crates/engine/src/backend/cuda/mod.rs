@@ -3,8 +3,9 @@
 //! (nvrtc.rs caches the images on disk). Activations, the KV cache and the GDN state are f32, as
 //! on the CPU, so every op can be compared with the CPU reference (tests/cuda_parity.rs).
 //!
-//! Every op only enqueues work on the stream; nothing waits for the GPU except `download` and
-//! `argmax_rows`, which read results back to the host.
+//! Every op only enqueues work on the stream; nothing waits for the GPU except `download`,
+//! `argmax_rows`, `sample` and `chosen_token`, which read results back to the host (a chained
+//! decode step's token, through mapped pinned memory once its event is done).
 
 pub mod device;
 pub mod nvrtc;
