@@ -62,12 +62,16 @@ impl SamplingParams {
     /// at most `TOP_P_PREFILTER`. Top-p under a wider top-k (or none) can need the whole row
     /// sorted (a nucleus past the prefilter), which a device sampler leaves to the host.
     pub fn choice_is_bounded(&self, vocab: usize) -> bool {
-        let limit = if self.top_k > 0 {
+        let limit = self.candidate_limit(vocab);
+        self.is_greedy() || (limit == vocab && self.top_p >= 1.0) || limit <= TOP_P_PREFILTER
+    }
+    /// How many of a `vocab`-entry row's best logits top-k leaves to choose from (all without it).
+    pub fn candidate_limit(&self, vocab: usize) -> usize {
+        if self.top_k > 0 {
             self.top_k.min(vocab)
         } else {
             vocab
-        };
-        self.is_greedy() || (limit == vocab && self.top_p >= 1.0) || limit <= TOP_P_PREFILTER
+        }
     }
 }
 
@@ -204,11 +208,7 @@ pub fn choose(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
     if p.is_greedy() {
         return argmax(logits);
     }
-    let limit = if p.top_k > 0 {
-        p.top_k.min(logits.len())
-    } else {
-        logits.len()
-    };
+    let limit = p.candidate_limit(logits.len());
     if limit == logits.len() && p.top_p >= 1.0 {
         return sample_whole_vocabulary(p, logits, u);
     }

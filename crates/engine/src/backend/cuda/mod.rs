@@ -3902,7 +3902,7 @@ impl CudaBackend {
         io: &SampleIo,
     ) -> Result<()> {
         let n = logits.cols;
-        let limit = if p.top_k > 0 { p.top_k.min(n) } else { n };
+        let limit = p.candidate_limit(n);
         let (pen_ids, pen_amounts, n_pen) = io.penalties;
         // (Named as the kernels, for the profile's labels.)
         let (sample_row_max, sample_row_weights, sample_token) =

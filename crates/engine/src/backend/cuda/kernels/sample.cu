@@ -5,6 +5,8 @@
 //   whole row   no top-k below the vocabulary and top-p 1 (the OpenAI default): the weights
 //               exp((l - max) / T), zero below the min-p cutoff, on a grid of blocks
 //               (`sample_row_max`, `sample_row_weights`, at the end of this file);
+//   small top-k a top-k whose ranges' best fit SAMPLE_MAX_CAND candidates, on a grid of blocks
+//               (`sample_row_top`, `sample_top_merge`, at the end of this file);
 //   every other choice on one block of SAMPLE_THREADS threads (`sample_token`), the row
 //               (248,320 floats, 1 MB) in L2 between its passes; one SM's pass over the row is
 //               bound by the loads it has in flight, so every pass issues SAMPLE_UNROLL loads a
@@ -338,7 +340,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // The whole-row path on a grid: temperature sampling with top-p 1 and no top-k below the row
 // (the OpenAI default), which on one block is bound by its arithmetic (a division and an exact
 // expf a logit, 248,320 times on one SM). Two launches of SAMPLE_ROW_THREADS threads a block,
-// each block a range of SAMPLE_ROW_RANGE ids; the same rule and draw as `sample_whole_row`:
+// each block a range of SAMPLE_ROW_RANGE ids; the host's rule and draw (`sample_whole_vocabulary`
+// in sampler.rs):
 //   sample_row_max      the penalties of its range applied in place, then its range's maximum;
 //   sample_row_weights  the row's maximum from the ranges', its range's weights summed in f64;
 //                       the last block to finish adds the ranges' sums in order, finds the
