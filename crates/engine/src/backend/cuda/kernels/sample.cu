@@ -166,6 +166,71 @@ __device__ __forceinline__ void sort_descending(u64* a, int P) {
     __syncthreads();
 }
 
+// The k largest of keys[0, count) (shared memory; distinct where not 0, 0 = none, never chosen)
+// written to out[0, k') in any order, k' = min(k, keys not 0); returns k'. A radix select from
+// the top byte, eight bits a pass, that stops once the bin holding the k-th largest is wanted
+// whole; warp 0 finds that bin (each lane eight bins, a scan from the top). Every thread calls it.
+__device__ __forceinline__ int select_largest(const u64* keys, int count, int k, u64* out) {
+    __shared__ int hist[256];
+    __shared__ int sel[3];  // the bin, how many of it are wanted, how many it holds
+    __shared__ int written;
+    const int tid = threadIdx.x;
+    int nonzero = 0;
+    for (int i = tid; i < count; i += blockDim.x) nonzero += keys[i] != 0;
+    nonzero = block_reduce(nonzero, [](int a, int b) { return a + b; });
+    k = min(k, nonzero);
+    u64 prefix = 0, mask = 0;
+    if (k < nonzero) {
+        int need = k;
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            for (int b = tid; b < 256; b += blockDim.x) hist[b] = 0;
+            __syncthreads();
+            for (int i = tid; i < count; i += blockDim.x) {
+                const u64 key = keys[i];
+                if (key && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+            }
+            __syncthreads();
+            if (tid < 32) {
+                int bins[8], sum = 0;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) sum += bins[j] = hist[255 - (tid * 8 + j)];
+                int incl = sum;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int n = __shfl_up_sync(FULL_MASK, incl, o);
+                    if (tid >= o) incl += n;
+                }
+                int above = incl - sum;
+                if (above < need && need <= incl) {
+                    for (int j = 0; j < 8; ++j) {
+                        if (above + bins[j] >= need) {
+                            sel[0] = 255 - (tid * 8 + j);
+                            sel[1] = need - above;
+                            sel[2] = bins[j];
+                            break;
+                        }
+                        above += bins[j];
+                    }
+                }
+            }
+            __syncthreads();
+            prefix |= (u64)sel[0] << shift;
+            mask |= 255ull << shift;
+            need = sel[1];
+            if (need == sel[2]) break;  // the whole bin is wanted (the same for every thread)
+        }
+    }
+    // Above the prefix in the digits examined, or in its bin (wanted whole, or the one key left
+    // after the last digit): exactly k keys.
+    if (tid == 0) written = 0;
+    __syncthreads();
+    for (int i = tid; i < count; i += blockDim.x) {
+        const u64 key = keys[i];
+        if (key && (key & mask) >= prefix) out[atomicAdd(&written, 1)] = key;
+    }
+    __syncthreads();
+    return k;
+}
+
 // The host's choice among its K candidates, cand[0, K) the packed (value, id) keys sorted
 // largest first (every thread of the block calls it; thread 0 writes out).
 __device__ __forceinline__ void choose_among(u64* cand, int K, float temperature, float top_p, float min_p,
@@ -352,6 +417,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 constexpr int SAMPLE_ROW_THREADS = 256;
 constexpr int SAMPLE_ROW_PER_THREAD = 8;
 constexpr int SAMPLE_ROW_RANGE = SAMPLE_ROW_THREADS * SAMPLE_ROW_PER_THREAD;
+// The merge selects at most this many candidates before sorting them (else it sorts them all).
+constexpr int SAMPLE_SELECT_MAX = 256;
 
 // Inclusive scan over a block of up to 1,024 threads, the warps' sums added in order.
 __device__ __forceinline__ double block_inclusive_scan_f64(double v) {
@@ -535,8 +602,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
         const int i = j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
         keys[i] = v[j] == v[j] ? pack_max(v[j], lo + i) : 0;
     }
-    sort_descending(keys, SAMPLE_ROW_RANGE);
-    for (int i = threadIdx.x; i < kb; i += blockDim.x) range_top[blockIdx.x * kb + i] = keys[i];
+    __syncthreads();  // every key is written before the select reads them
+    u64* top = range_top + (size_t)blockIdx.x * kb;
+    const int kept = select_largest(keys, SAMPLE_ROW_RANGE, kb, top);
+    for (int i = kept + threadIdx.x; i < kb; i += blockDim.x) top[i] = 0;
 }
 
 // Launch with one block of SAMPLE_THREADS threads after sample_row_top; `count` = kb * ranges
@@ -557,10 +626,21 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         valid += cand[i] != 0;
     }
     valid = block_reduce(valid, [](int a, int b) { return a + b; });
-    sort_descending(cand, P);
     const int K = min(limit, valid);
+    __shared__ u64 best[SAMPLE_SELECT_MAX];
+    u64* chosen = cand;
+    if (K <= SAMPLE_SELECT_MAX) {  // select the K best, then sort only them
+        select_largest(cand, count, K, best);
+        int Q = 1;
+        while (Q < K) Q <<= 1;
+        for (int i = K + threadIdx.x; i < Q; i += blockDim.x) best[i] = 0;
+        sort_descending(best, Q);
+        chosen = best;
+    } else {
+        sort_descending(cand, P);
+    }
     if (K == 0) sample_done(out, 0, 0);  // every logit NaN
-    else choose_among(cand, K, temperature, top_p, min_p, u, out);
+    else choose_among(chosen, K, temperature, top_p, min_p, u, out);
     __syncthreads();
     if (params && threadIdx.x == 0) finish_chained_step(params, host_out, out[0], out[1]);
 }
