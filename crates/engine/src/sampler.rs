@@ -57,13 +57,13 @@ impl SamplingParams {
     pub fn has_penalties(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
-    /// Whether `choose` decides, whatever the row, from one pass over it or from its
-    /// `TOP_P_PREFILTER` best candidates: greedy, the whole vocabulary at top-p 1, or a top-k of
-    /// at most `TOP_P_PREFILTER`. Top-p under a wider top-k (or none) can need the whole row
-    /// sorted (a nucleus past the prefilter), which a device sampler leaves to the host.
+    /// Whether `choose` decides, whatever the row, by passes over it or from its
+    /// `TOP_P_PREFILTER` best candidates: greedy, the whole vocabulary (with top-p or
+    /// without), or a top-k of at most `TOP_P_PREFILTER`. A top-k between those can need more
+    /// candidates sorted, which a device sampler leaves to the host.
     pub fn choice_is_bounded(&self, vocab: usize) -> bool {
         let limit = self.candidate_limit(vocab);
-        self.is_greedy() || (limit == vocab && self.top_p >= 1.0) || limit <= TOP_P_PREFILTER
+        self.is_greedy() || limit == vocab || limit <= TOP_P_PREFILTER
     }
     /// How many of a `vocab`-entry row's best logits top-k leaves to choose from (all without it).
     pub fn candidate_limit(&self, vocab: usize) -> usize {
@@ -154,11 +154,12 @@ impl Sampler {
     }
 
     /// The one uniform draw a sampled token takes, in [0, 1): f64 for the whole-vocabulary
-    /// path, f32 (widened exactly) for the candidates' path, as each sums its weights.
+    /// paths (no top-k), f32 (widened exactly) for the candidates' path, as each sums its
+    /// weights.
     fn draw(&mut self) -> f64 {
         if self.params.is_greedy() {
             0.0
-        } else if self.params.top_k == 0 && self.params.top_p >= 1.0 {
+        } else if self.params.top_k == 0 {
             self.rng.random::<f64>()
         } else {
             self.rng.random::<f32>() as f64
@@ -209,8 +210,12 @@ pub fn choose(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
         return argmax(logits);
     }
     let limit = p.candidate_limit(logits.len());
-    if limit == logits.len() && p.top_p >= 1.0 {
-        return sample_whole_vocabulary(p, logits, u);
+    if limit == logits.len() {
+        return if p.top_p >= 1.0 {
+            sample_whole_vocabulary(p, logits, u)
+        } else {
+            sample_nucleus(p, logits, u)
+        };
     }
     // Candidates (id, logit), best first, limited by top-k and the top-p prefilter.
     let mut cand = top_candidates(logits, limit.min(TOP_P_PREFILTER));
@@ -294,6 +299,83 @@ fn sample_whole_vocabulary(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
         }
     }
     last
+}
+
+/// A weight in units of 2^-32 of the largest (which is 1): exact integers, so that the nucleus
+/// and the draw add them in any order (a device's grid does) to the same sums.
+fn fixed_weight(logit: f32, max: f32, temperature: f32) -> u64 {
+    // `as` truncates, and takes NaN (an infinite maximum's own weight) to 0.
+    (((logit - max) / temperature).exp() * 4_294_967_296.0) as u64
+}
+
+/// Top-p over the whole vocabulary (no top-k below it), exact and without sorting the row:
+/// - each valid logit's weight exp((l - max) / T) in fixed point (`fixed_weight`), Z their sum;
+/// - the nucleus: the best logits (ties to the lower id) until their weights reach
+///   ceil(top_p * Z), the smallest such set;
+/// - min-p then zeroes the members below max + T ln(min_p) (never the best);
+/// - the draw t = floor(u * S), S the members' sum, picks the member whose interval of the
+///   cumulative weights, in id order, holds t.
+///
+/// Every step is integer arithmetic on the weights, so the CUDA sampler's grid
+/// (`sample_nucleus_*` in kernels/sample.cu) chooses the same token. An infinite logit leaves no
+/// finite weight: the argmax then.
+fn sample_nucleus(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
+    let t = p.temperature;
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let weight = |l: f32| fixed_weight(l, max, t);
+    let mut valid: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| !l.is_nan())
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    let z: u64 = valid.iter().map(|&(_, l)| weight(l)).sum();
+    if z == 0 {
+        return argmax(logits);
+    }
+    let need = ((p.top_p as f64 * z as f64).ceil() as u64).clamp(1, z);
+    // The nucleus, from the best `k` in order, k growing until their weights reach `need`.
+    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let mut k = TOP_P_PREFILTER.min(valid.len());
+    let members = loop {
+        if k < valid.len() {
+            valid.select_nth_unstable_by(k - 1, order);
+        }
+        valid[..k].sort_by(order);
+        let mut mass = 0u64;
+        let reached = valid[..k].iter().position(|&(_, l)| {
+            mass += weight(l);
+            mass >= need
+        });
+        if let Some(last) = reached {
+            break &mut valid[..=last];
+        }
+        k = (k * 8).min(valid.len());
+    };
+    let cutoff = if p.min_p > 0.0 {
+        max + t * p.min_p.ln()
+    } else {
+        f32::NEG_INFINITY
+    };
+    members.sort_by_key(|&(id, _)| id);
+    let member_weight = |l: f32| if l >= cutoff { weight(l) } else { 0 };
+    let s: u64 = members.iter().map(|&(_, l)| member_weight(l)).sum();
+    if s == 0 {
+        return argmax(logits); // min-p above 1 (requests cannot ask for it)
+    }
+    let mut left = ((u * s as f64).floor() as u64).min(s - 1);
+    for &(id, l) in members.iter() {
+        let w = member_weight(l);
+        if left < w {
+            return id;
+        }
+        left -= w;
+    }
+    argmax(logits) // not reached: left < s
 }
 
 /// The `n` largest logits as (id, logit), sorted descending, ties to the lower id; NaN never
@@ -498,14 +580,135 @@ mod tests {
         assert!(with(20, 0.8).choice_is_bounded(vocab));
         assert!(with(TOP_P_PREFILTER, 0.5).choice_is_bounded(vocab));
         assert!(
-            !with(0, 0.95).choice_is_bounded(vocab),
-            "a nucleus may pass the prefilter"
+            with(0, 0.95).choice_is_bounded(vocab),
+            "top-p over the whole row, by passes"
         );
         assert!(!with(TOP_P_PREFILTER + 1, 1.0).choice_is_bounded(vocab));
         assert!(
-            with(0, 0.95).choice_is_bounded(TOP_P_PREFILTER),
-            "a small vocabulary"
+            !with(TOP_P_PREFILTER + 1, 0.9).choice_is_bounded(vocab),
+            "a nucleus may pass the prefilter"
         );
+        assert!(
+            with(TOP_P_PREFILTER + 1, 0.9).choice_is_bounded(TOP_P_PREFILTER + 1),
+            "a top-k at the vocabulary is the whole row"
+        );
+    }
+
+    /// How often each id is chosen over `n` draws.
+    fn frequencies(p: &SamplingParams, logits: &[f32], n: usize) -> Vec<f64> {
+        let mut s = Sampler::new(p.clone());
+        let mut counts = vec![0usize; logits.len()];
+        (0..n).for_each(|_| counts[s.sample(logits) as usize] += 1);
+        counts.iter().map(|&c| c as f64 / n as f64).collect()
+    }
+
+    #[test]
+    fn the_nucleus_is_the_smallest_set_reaching_top_p() {
+        // Probabilities 0.05, 0.5, 0.15, 0.3 at temperature 1 (the best not first).
+        let logits = [0.05f32.ln(), 0.5f32.ln(), 0.15f32.ln(), 0.3f32.ln()];
+        let with = |top_p| SamplingParams {
+            top_p,
+            ..params(1.0)
+        };
+        let close = |got: &[f64], want: [f64; 4]| {
+            got.iter()
+                .zip(want)
+                .all(|(g, w)| (g - w).abs() < 0.015 && (w > 0.0 || *g == 0.0))
+        };
+        let f = frequencies(&with(0.75), &logits, 20_000);
+        assert!(close(&f, [0.0, 0.625, 0.0, 0.375]), "top-p 0.75: {f:?}");
+        let f = frequencies(&with(0.85), &logits, 20_000);
+        assert!(
+            close(&f, [0.0, 0.5 / 0.95, 0.15 / 0.95, 0.3 / 0.95]),
+            "top-p 0.85: {f:?}"
+        );
+        let min_p = SamplingParams {
+            min_p: 0.5,
+            ..with(0.85)
+        };
+        let f = frequencies(&min_p, &logits, 20_000);
+        assert!(close(&f, [0.0, 0.625, 0.0, 0.375]), "min-p 0.5: {f:?}");
+    }
+
+    #[test]
+    fn the_nucleus_takes_tied_logits_by_lower_id() {
+        // Ten equal logits: top-p 0.45 needs 4.5 of them, so five, the lowest ids.
+        let logits = [1.5f32; 10];
+        let p = SamplingParams {
+            top_p: 0.45,
+            ..params(0.8)
+        };
+        let f = frequencies(&p, &logits, 10_000);
+        assert!(f[..5].iter().all(|&x| (x - 0.2).abs() < 0.02), "{f:?}");
+        assert!(f[5..].iter().all(|&x| x == 0.0), "{f:?}");
+    }
+
+    /// `sample_nucleus` by its definition: the whole row sorted.
+    fn nucleus_by_sorting(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
+        let max = logits
+            .iter()
+            .copied()
+            .filter(|l| !l.is_nan())
+            .fold(f32::NEG_INFINITY, f32::max);
+        let w = |l: f32| fixed_weight(l, max, p.temperature);
+        let mut all: Vec<(u32, f32)> = (0..logits.len() as u32)
+            .map(|i| (i, logits[i as usize]))
+            .filter(|(_, l)| !l.is_nan())
+            .collect();
+        all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let z: u64 = all.iter().map(|&(_, l)| w(l)).sum();
+        let need = ((p.top_p as f64 * z as f64).ceil() as u64).clamp(1, z);
+        let mut mass = 0;
+        let mut members: Vec<(u32, f32)> = Vec::new();
+        for &(i, l) in &all {
+            if mass >= need {
+                break;
+            }
+            mass += w(l);
+            members.push((i, l));
+        }
+        members.sort_by_key(|m| m.0);
+        let cutoff = max + p.temperature * p.min_p.ln();
+        let weights: Vec<u64> = members
+            .iter()
+            .map(|&(_, l)| if l >= cutoff { w(l) } else { 0 })
+            .collect();
+        let s: u64 = weights.iter().sum();
+        let mut t = ((u * s as f64).floor() as u64).min(s - 1);
+        for (m, w) in members.iter().zip(weights) {
+            if t < w {
+                return m.0;
+            }
+            t -= w;
+        }
+        unreachable!()
+    }
+
+    #[test]
+    fn the_nucleus_matches_its_definition_on_random_rows() {
+        let mut rng = StdRng::seed_from_u64(5);
+        for case in 0..60 {
+            let n = [7, 300, 5_000, 40_000][case % 4];
+            let mut row: Vec<f32> = (0..n).map(|_| rng.random::<f32>() * 8.0 - 4.0).collect();
+            match case % 3 {
+                0 => row.iter_mut().for_each(|l| *l = l.round()), // ties everywhere
+                1 => row.iter_mut().step_by(11).for_each(|l| *l = f32::NAN),
+                _ => row.iter_mut().for_each(|l| *l = l.powi(3)), // peaked
+            }
+            let p = SamplingParams {
+                top_p: [0.3, 0.8, 0.95, 0.999][case % 4],
+                min_p: [0.0, 0.0, 0.02][case % 3],
+                ..params([0.5, 1.0, 1.7][case % 3])
+            };
+            for _ in 0..5 {
+                let u = rng.random::<f64>();
+                assert_eq!(
+                    choose(&p, &row, u),
+                    nucleus_by_sorting(&p, &row, u),
+                    "case {case}, {p:?}, u {u}"
+                );
+            }
+        }
     }
 
     #[test]

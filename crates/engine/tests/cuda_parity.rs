@@ -420,7 +420,11 @@ fn sampling_matches_the_host_sampler() {
         case(sampling(1.0, 0, 1.0, 0.0), &[], false),
         case(sampling(0.7, 0, 1.0, 0.05), &[], false),
         case(sampling(0.7, 20, 1.0, 0.0), &[], false),
-        case(sampling(0.6, 0, 0.95, 0.0), &[], true),
+        case(sampling(0.6, 0, 0.95, 0.0), &[], false),
+        case(sampling(1.0, 0, 0.5, 0.0), &[], false),
+        case(sampling(0.7, 0, 0.8, 0.1), &[], false),
+        case(sampling(0.8, 300_000, 0.999, 0.0), &[], false),
+        case(sampling(0.9, 0, 0.9, 0.0), &penalties, false),
         case(sampling(0.7, 20, 0.8, 0.1), &[], false),
         case(sampling(1.0, 5_000, 1.0, 0.0), &[], true),
         case(sampling(1.3, 1, 1.0, 0.0), &[], false),
@@ -438,7 +442,7 @@ fn sampling_matches_the_host_sampler() {
                     *l -= a;
                 }
             }
-            let whole = p.top_k == 0 && p.top_p >= 1.0;
+            let whole = p.top_k == 0; // f64 draws, as Sampler::draw
             for _ in 0..6 {
                 let u = if whole {
                     rng.random::<f64>()

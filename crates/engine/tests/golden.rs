@@ -329,6 +329,12 @@ fn chained_decode_matches_stepwise_decode<B: Backend>(
             seed: Some(6),
             ..Default::default()
         },
+        SamplingParams {
+            temperature: 0.8,
+            top_p: 0.9,
+            seed: Some(7),
+            ..Default::default()
+        },
     ];
     let capacity = prompt.len() + max_tokens + 1;
     for p in params {

@@ -490,6 +490,8 @@ impl Kernels {
                     row_weights: f("sample", "sample_row_weights")?,
                     row_top: f("sample", "sample_row_top")?,
                     top_merge: f("sample", "sample_top_merge")?,
+                    nucleus_mass: f("sample", "sample_nucleus_mass")?,
+                    nucleus_draw: f("sample", "sample_nucleus_draw")?,
                 })
             },
             conv1d_silu: f("gdn", "conv1d_silu")?,
@@ -637,6 +639,8 @@ struct SampleKernels {
     row_weights: CudaFunction,
     row_top: CudaFunction,
     top_merge: CudaFunction,
+    nucleus_mass: CudaFunction,
+    nucleus_draw: CudaFunction,
 }
 
 /// Where a sampler launch takes its penalties and draw and leaves its choice: the draw `u`, or
@@ -656,8 +660,11 @@ struct SampleIo {
 struct ChainBuffers {
     key: CudaSlice<u64>,
     ticket: CudaSlice<u32>,
-    /// `sample_row_weights`' ticket (zero between launches), chained or not.
+    /// `sample_row_weights`' and `sample_nucleus_draw`'s ticket (zero between launches),
+    /// chained or not.
     row_ticket: CudaSlice<u32>,
+    /// `sample_nucleus_mass`'s four 256-bin weight sums (zero between launches).
+    nucleus_hist: CudaSlice<u64>,
     draw: CudaSlice<f64>,
     sample_out: CudaSlice<i32>,
     chosen: ChosenSlots,
@@ -1154,6 +1161,7 @@ impl CudaBackend {
             key: zeroed(&dev, 1)?,
             ticket: zeroed(&dev, 1)?,
             row_ticket: zeroed(&dev, 1)?,
+            nucleus_hist: zeroed(&dev, 4 * 256)?,
             draw: zeroed(&dev, 1)?,
             sample_out: zeroed(&dev, 2)?,
             chosen: ChosenSlots::new(&dev)?,
@@ -3890,10 +3898,12 @@ impl CudaBackend {
         self.launch_sample(kernels, logits, p, &io)
     }
 
-    /// The sampler over one logits row for `p` (kernels/sample.cu): the whole-row path on a grid
-    /// (`sample_row_max` then `sample_row_weights`), a top-k whose ranges' best fit one block's
-    /// candidates on a grid (`sample_row_top` then `sample_top_merge`), every other choice on one
-    /// block of SAMPLE_THREADS (1,024) threads (`sample_token`).
+    /// The sampler over one logits row for `p` (kernels/sample.cu), on a grid of ranges of 2,048
+    /// ids where it can: the whole row at top-p 1 (`sample_row_max` then `sample_row_weights`),
+    /// top-p over the whole row (`sample_row_max`, four `sample_nucleus_mass` passes, then
+    /// `sample_nucleus_draw`), a top-k whose ranges' best fit one block's candidates
+    /// (`sample_row_top` then `sample_top_merge`); every other choice on one block of
+    /// SAMPLE_THREADS (1,024) threads (`sample_token`).
     fn launch_sample(
         &self,
         k: &SampleKernels,
@@ -3908,13 +3918,13 @@ impl CudaBackend {
         let (sample_row_max, sample_row_weights, sample_token) =
             (&k.row_max, &k.row_weights, &k.token);
         let (sample_row_top, sample_top_merge) = (&k.row_top, &k.top_merge);
+        let (sample_nucleus_mass, sample_nucleus_draw) = (&k.nucleus_mass, &k.nucleus_draw);
         // SAMPLE_ROW_RANGE (2,048) ids a block of SAMPLE_ROW_THREADS (256).
         let ranges = n.div_ceil(2048);
         let kb = limit.min(2048);
-        if p.temperature > 0.0 && limit >= n && p.top_p >= 1.0 {
+        let grid = cfg((ranges as u32, 1), 256, 0);
+        let row_max = || -> Result<DevBuf<f32>> {
             let range_max = self.tmp::<f32>(ranges)?;
-            let range_sum = self.tmp::<f64>(ranges)?;
-            let grid = cfg((ranges as u32, 1), 256, 0);
             launch!(
                 self,
                 sample_row_max,
@@ -3928,6 +3938,57 @@ impl CudaBackend {
                     range_max.ptr
                 ]
             )?;
+            Ok(range_max)
+        };
+        // The nucleus' weights sum below 2^53 (exact in the f64 of its top-p product) for rows
+        // under 2^21 ids.
+        if p.temperature > 0.0 && limit >= n && p.top_p < 1.0 && n < 1 << 21 {
+            let range_max = row_max()?;
+            let hist = self.ptr(&self.chain.nucleus_hist);
+            for digit in 0..4i32 {
+                launch!(
+                    self,
+                    sample_nucleus_mass,
+                    grid,
+                    [
+                        self.ptr(&logits.buf),
+                        n as i32,
+                        range_max.ptr,
+                        p.temperature,
+                        p.top_p,
+                        digit,
+                        hist
+                    ]
+                )?;
+            }
+            let range_mass = self.tmp::<u64>(ranges)?;
+            let range_ties = self.tmp::<u32>(ranges)?;
+            return launch!(
+                self,
+                sample_nucleus_draw,
+                grid,
+                [
+                    self.ptr(&logits.buf),
+                    n as i32,
+                    range_max.ptr,
+                    p.temperature,
+                    p.top_p,
+                    p.min_p,
+                    hist,
+                    io.u,
+                    io.u_at,
+                    range_mass.ptr,
+                    range_ties.ptr,
+                    self.ptr(&self.chain.row_ticket),
+                    io.out,
+                    io.params,
+                    io.host_out
+                ]
+            );
+        }
+        if p.temperature > 0.0 && limit >= n && p.top_p >= 1.0 {
+            let range_max = row_max()?;
+            let range_sum = self.tmp::<f64>(ranges)?;
             return launch!(
                 self,
                 sample_row_weights,

@@ -103,6 +103,9 @@ __device__ __forceinline__ u64 pack_max(float v, int i) {
     return ((u64)ordered_bits(v) << 32) | (u64)(0xffffffffu - (u32)i);
 }
 
+// The index of the largest of pack_max's keys; 0 where there was none (key 0: every value NaN).
+__device__ __forceinline__ int packed_index(u64 key) { return key ? (int)(0xffffffffu - (u32)key) : 0; }
+
 __device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(((u32)v) << 16); }
 
 // One MLX affine-quantized matrix (or one expert of a stack: the pointers already offset to it):

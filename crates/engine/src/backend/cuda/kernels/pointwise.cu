@@ -188,5 +188,5 @@ extern "C" __global__ void step_argmax(const float* x, u64* key, u32* ticket, in
     if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
     const u64 k = atomicExch(key, 0ull);
     *ticket = 0;
-    finish_chained_step(params, host_out, k ? (int)(0xffffffffu - (u32)k) : 0, 0);
+    finish_chained_step(params, host_out, packed_index(k), 0);
 }

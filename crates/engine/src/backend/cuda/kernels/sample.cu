@@ -86,32 +86,42 @@ __device__ __forceinline__ void chunk_pass(const float* logits, WarpChunk ch, F 
 }
 
 // Each warp's value `v` (the same in all its lanes) summed over the warps before it, in warp
-// order; `total` gets the sum over all of them, added in that same order (so that each warp's
-// prefix plus its value is the next warp's prefix).
+// order (so that each warp's prefix plus its value is the next warp's prefix).
 template <typename T>
-__device__ __forceinline__ T warps_before(T v, T& total) {
+__device__ __forceinline__ T warps_before(T v) {
     T* part = reinterpret_cast<T*>(sample_scratch());
     const int warp = threadIdx.x >> 5;
     __syncthreads();  // `part` may still be read by a previous call
     if ((threadIdx.x & 31) == 0) part[warp] = v;
     __syncthreads();
-    T before = 0, acc = 0;
-    for (int w = 0; w < SAMPLE_WARPS; ++w) {
-        if (w == warp) before = acc;
-        acc += part[w];
-    }
-    total = acc;
+    T before = 0;
+    for (int w = 0; w < warp; ++w) before += part[w];
     return before;
 }
 
 // Lane l gets v_0 + ... + v_l.
-__device__ __forceinline__ double warp_inclusive_scan_f64(double v) {
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T v) {
     const int lane = threadIdx.x & 31;
     for (int o = 1; o < 32; o <<= 1) {
-        const double n = __shfl_up_sync(FULL_MASK, v, o);
+        const T n = __shfl_up_sync(FULL_MASK, v, o);
         if (lane >= o) v += n;
     }
     return v;
+}
+
+// Inclusive scan over a block of up to 1,024 threads, the warps' sums added in order.
+template <typename T>
+__device__ __forceinline__ T block_inclusive_scan(T v) {
+    T* part = reinterpret_cast<T*>(sample_scratch());
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_inclusive_scan(v);
+    __syncthreads();  // `part` may still be read by a previous call
+    if (lane == 31) part[warp] = v;
+    __syncthreads();
+    T before = 0;
+    for (int w = 0; w < warp; ++w) before += part[w];
+    return v + before;
 }
 
 template <typename T, typename Op>
@@ -143,7 +153,7 @@ __device__ __forceinline__ int sample_argmax(const float* logits, int n) {
         if (v == v) best = max(best, pack_max(v, c));
     });
     best = block_reduce(best, [](u64 a, u64 b) { return max(a, b); });
-    return best ? (int)(0xffffffffu - (u32)best) : 0;
+    return packed_index(best);
 }
 
 // Bitonic sort of a[0, P) in shared memory, largest first (P a power of two; every thread of
@@ -335,8 +345,7 @@ __device__ __forceinline__ void sample_candidates(const float* logits, int n, fl
         g += __popc(__ballot_sync(FULL_MASK, kind == 1));
         e += __popc(__ballot_sync(FULL_MASK, kind == 2));
     });
-    int unused;
-    int gi = warps_before(g, unused), ei = warps_before(e, unused);
+    int gi = warps_before(g), ei = warps_before(e);
     chunk_pass(logits, ch, [&](int c, float v) {
         const int kind = classify(v);
         const unsigned bg = __ballot_sync(FULL_MASK, kind == 1), be = __ballot_sync(FULL_MASK, kind == 2);
@@ -417,36 +426,68 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 constexpr int SAMPLE_ROW_THREADS = 256;
 constexpr int SAMPLE_ROW_PER_THREAD = 8;
 constexpr int SAMPLE_ROW_RANGE = SAMPLE_ROW_THREADS * SAMPLE_ROW_PER_THREAD;
+
+// This block's range of ids [lo, hi): SAMPLE_ROW_RANGE of them (fewer in the last block).
+struct Range {
+    int lo, hi;
+};
+__device__ __forceinline__ Range block_range(int n) {
+    const int lo = blockIdx.x * SAMPLE_ROW_RANGE;
+    return {lo, min(n, lo + SAMPLE_ROW_RANGE)};
+}
+
+// The penalties of the range's ids applied in place (each id once; the host's order), then a
+// barrier: the penalised range is what the caller reads.
+__device__ __forceinline__ void penalise_range(float* logits, Range r, const u32* pen_ids, const float* pen_amount,
+                                               int n_pen) {
+    for (int j = threadIdx.x; j < n_pen; j += blockDim.x)
+        if (pen_ids[j] >= (u32)r.lo && pen_ids[j] < (u32)r.hi) logits[pen_ids[j]] -= pen_amount[j];
+    __syncthreads();
+}
+
+// The range's logits, strided over the block: v[j] is id lo + j * SAMPLE_ROW_THREADS + thread
+// (NaN past the range); all loads issued before any is used.
+__device__ __forceinline__ void load_range(const float* logits, Range r, float (&v)[SAMPLE_ROW_PER_THREAD]) {
+#pragma unroll
+    for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
+        const int c = r.lo + j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
+        v[j] = c < r.hi ? logits[c] : SAMPLE_NAN;
+    }
+}
+
+// The row's maximum from the ranges' (sample_row_max), in every thread.
+__device__ __forceinline__ float max_of_ranges(const float* range_max) {
+    float m = NEG_INF;
+    for (int r = threadIdx.x; r < (int)gridDim.x; r += blockDim.x) m = fmaxf(m, range_max[r]);
+    return block_reduce(m, [](float a, float b) { return fmaxf(a, b); });
+}
+
+// The first maximum's id by any block (a grid's last block, where no weight was finite).
+__device__ __forceinline__ int block_argmax(const float* logits, int n) {
+    u64 best = 0;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const float v = logits[c];
+        if (v == v) best = max(best, pack_max(v, c));
+    }
+    return packed_index(block_reduce(best, [](u64 a, u64 b) { return max(a, b); }));
+}
+
+// min-p keeps p >= min_p * p_max, i.e. logit >= max + T ln(min_p) (-inf without min-p; NaN fails
+// every test); rounded as the host's separate product and sum (no contraction into an FMA).
+__device__ __forceinline__ float min_p_cutoff(float m, float temperature, float min_p) {
+    return min_p > 0.f ? __fadd_rn(m, __fmul_rn(temperature, logf(min_p))) : NEG_INF;
+}
 // The merge selects at most this many candidates before sorting them (else it sorts them all).
 constexpr int SAMPLE_SELECT_MAX = 256;
-
-// Inclusive scan over a block of up to 1,024 threads, the warps' sums added in order.
-__device__ __forceinline__ double block_inclusive_scan_f64(double v) {
-    double* part = reinterpret_cast<double*>(sample_scratch());
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_inclusive_scan_f64(v);
-    __syncthreads();  // `part` may still be read by a previous call
-    if (lane == 31) part[warp] = v;
-    __syncthreads();
-    double before = 0.0;
-    for (int w = 0; w < warp; ++w) before += part[w];
-    return v + before;
-}
 
 // Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks.
 extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     sample_row_max(float* logits, int n, const u32* pen_ids, const float* pen_amount, int n_pen, float* range_max) {
     grid_dep();
-    const int lo = blockIdx.x * SAMPLE_ROW_RANGE, hi = min(n, lo + SAMPLE_ROW_RANGE);
-    for (int j = threadIdx.x; j < n_pen; j += blockDim.x)
-        if (pen_ids[j] >= (u32)lo && pen_ids[j] < (u32)hi) logits[pen_ids[j]] -= pen_amount[j];
-    __syncthreads();  // the penalised range is what the maximum reads
+    const Range range = block_range(n);
+    penalise_range(logits, range, pen_ids, pen_amount, n_pen);
     float v[SAMPLE_ROW_PER_THREAD];
-#pragma unroll
-    for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
-        const int c = lo + j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
-        v[j] = c < hi ? logits[c] : SAMPLE_NAN;
-    }
+    load_range(logits, range, v);
     float m = NEG_INF;
 #pragma unroll
     for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) m = fmaxf(m, v[j]);  // fmaxf skips NaN
@@ -463,20 +504,12 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
                        int* host_out) {
     grid_dep();
     const int tid = threadIdx.x, ranges = gridDim.x;
-    float m = NEG_INF;
-    for (int r = tid; r < ranges; r += blockDim.x) m = fmaxf(m, range_max[r]);
-    m = block_reduce(m, [](float a, float b) { return fmaxf(a, b); });
-    // min-p keeps p >= min_p * p_max, i.e. logit >= max + T ln(min_p); NaN fails every test.
-    const float cutoff = min_p > 0.f ? m + temperature * logf(min_p) : NEG_INF;
+    const float m = max_of_ranges(range_max);
+    const float cutoff = min_p_cutoff(m, temperature, min_p);
     auto weight = [&](float v) { return v >= cutoff ? expf((v - m) / temperature) : 0.f; };
     {
-        const int lo = blockIdx.x * SAMPLE_ROW_RANGE, hi = min(n, lo + SAMPLE_ROW_RANGE);
         float v[SAMPLE_ROW_PER_THREAD];
-#pragma unroll
-        for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
-            const int c = lo + j * SAMPLE_ROW_THREADS + tid;
-            v[j] = c < hi ? logits[c] : SAMPLE_NAN;
-        }
+        load_range(logits, block_range(n), v);
         double s = 0.0;
 #pragma unroll
         for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) s += (double)weight(v[j]);
@@ -520,13 +553,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     }
     __syncthreads();
     if (!(sh_total > 0.0)) {  // no weight at all: the host takes the argmax
-        u64 best = 0;
-        for (int c = tid; c < n; c += blockDim.x) {
-            const float v = logits[c];
-            if (v == v) best = max(best, pack_max(v, c));
-        }
-        best = block_reduce(best, [](u64 a, u64 b) { return max(a, b); });
-        if (tid == 0) sample_done_by_this_thread(out, best ? (int)(0xffffffffu - (u32)best) : 0, 0);
+        const int t = block_argmax(logits, n);
+        if (tid == 0) sample_done_by_this_thread(out, t, 0);
     } else {
         const int a = min(n, sh_range * SAMPLE_ROW_RANGE + tid * SAMPLE_ROW_PER_THREAD);
         const int b = min(n, a + SAMPLE_ROW_PER_THREAD);
@@ -541,7 +569,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
         }
         // Each thread's interval [excl, incl), excl exactly the previous thread's incl.
         __shared__ double scan[SAMPLE_ROW_THREADS];
-        const double incl = block_inclusive_scan_f64(own);
+        const double incl = block_inclusive_scan(own);
         scan[tid] = incl;
         __syncthreads();
         const double excl = tid ? scan[tid - 1] : 0.0;
@@ -587,20 +615,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
                    u64* range_top) {
     __shared__ u64 keys[SAMPLE_ROW_RANGE];  // 16 KiB
     grid_dep();
-    const int lo = blockIdx.x * SAMPLE_ROW_RANGE, hi = min(n, lo + SAMPLE_ROW_RANGE);
-    for (int j = threadIdx.x; j < n_pen; j += blockDim.x)
-        if (pen_ids[j] >= (u32)lo && pen_ids[j] < (u32)hi) logits[pen_ids[j]] -= pen_amount[j];
-    __syncthreads();  // the penalised range is what the keys read
+    const Range range = block_range(n);
+    penalise_range(logits, range, pen_ids, pen_amount, n_pen);
     float v[SAMPLE_ROW_PER_THREAD];
-#pragma unroll
-    for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
-        const int c = lo + j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
-        v[j] = c < hi ? logits[c] : SAMPLE_NAN;
-    }
+    load_range(logits, range, v);
 #pragma unroll
     for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
         const int i = j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
-        keys[i] = v[j] == v[j] ? pack_max(v[j], lo + i) : 0;
+        keys[i] = v[j] == v[j] ? pack_max(v[j], range.lo + i) : 0;
     }
     __syncthreads();  // every key is written before the select reads them
     u64* top = range_top + (size_t)blockIdx.x * kb;
@@ -643,4 +665,220 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     else choose_among(chosen, K, temperature, top_p, min_p, u, out);
     __syncthreads();
     if (params && threadIdx.x == 0) finish_chained_step(params, host_out, out[0], out[1]);
+}
+
+// Top-p over the whole row on a grid (no top-k below the row): the host's rule (`sample_nucleus`
+// in sampler.rs) in the same integer arithmetic, so that it never needs the row on the host,
+// whatever the nucleus' size. Each valid logit weighs exp((l - max) / T) in units of 2^-32
+// (`fixed_weight`, at most 2^32; the row's sum Z below 2^53 for rows under 2^21 ids). The
+// nucleus' boundary is the ordered key (ordered_bits) at which the weights of the keys above it,
+// largest first, reach need = ceil(top_p Z): a radix select by weight rather than by count, eight
+// bits a pass from the top. The launches, each on the grid of sample_row_max:
+//   sample_row_max        the range maxima (and the penalties, as for the whole row);
+//   sample_nucleus_mass   four times, digit 0 to 3: the weights of the keys that match the
+//                         boundary's digits found so far, summed by their next digit into
+//                         hist[digit] (integer atomics: the same sums in any order);
+//   sample_nucleus_draw   the boundary key k, the weight of the keys above it and each range's
+//                         weight of them (those at or above the min-p cutoff) and count of keys
+//                         equal to k; the last block takes the j lowest-id keys equal to k that
+//                         the nucleus needs, draws t = floor(u S) over the members' weight S, and
+//                         finds the member whose interval, in id order, holds t; it leaves
+//                         `hist` and `ticket` zero for the next sample.
+constexpr int NUCLEUS_DIGITS = 4;
+
+__device__ __forceinline__ u64 fixed_weight(float v, float m, float temperature) {
+    return (u64)(expf((v - m) / temperature) * 4294967296.f);  // truncates; NaN gives 0
+}
+
+// What the mass histograms of digits [0, digits) say about the nucleus' boundary key: its digits
+// (`prefix`, under `mask`), the weight of the keys above those digits (`above`), and `need`
+// (0 when the row has no finite weight, or digits = 0). Warp 0 scans each digit's bins from the
+// top (eight a lane); every thread gets the result.
+struct NucleusBoundary {
+    u32 prefix, mask;
+    u64 above, need;
+};
+__device__ __forceinline__ NucleusBoundary nucleus_boundary(const u64* hist, int digits, float top_p) {
+    __shared__ NucleusBoundary sh;
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        NucleusBoundary nb = {0u, 0u, 0ull, 0ull};
+        if (digits > 0) {
+            u64 z = 0;
+            for (int b = lane; b < 256; b += 32) z += hist[b];
+            for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(FULL_MASK, z, o);
+            if (z > 0) nb.need = min(max((u64)ceil((double)top_p * (double)z), 1ull), z);
+        }
+        for (int d = 0; d < digits && nb.need > 0; ++d) {
+            u64 bins[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sum += bins[j] = hist[d * 256 + 255 - (lane * 8 + j)];
+            const u64 incl = warp_inclusive_scan(sum);
+            u64 above = nb.above + incl - sum;  // the bins above this lane's
+            int bin = -1;
+            if (above < nb.need && nb.need <= nb.above + incl) {
+                for (int j = 0; j < 8; ++j) {
+                    if (above + bins[j] >= nb.need) {
+                        bin = 255 - (lane * 8 + j);
+                        break;
+                    }
+                    above += bins[j];
+                }
+            }
+            const int holder = __ffs(__ballot_sync(FULL_MASK, bin >= 0)) - 1;  // exactly one lane
+            const int shift = 24 - 8 * d;
+            nb.prefix |= (u32)__shfl_sync(FULL_MASK, bin, holder) << shift;
+            nb.mask |= 255u << shift;
+            nb.above = __shfl_sync(FULL_MASK, above, holder);
+        }
+        if (lane == 0) sh = nb;
+    }
+    __syncthreads();
+    return sh;
+}
+
+// Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks after
+// sample_row_max (and the passes of lower digits); `hist` NUCLEUS_DIGITS x 256 sums, zero before
+// digit 0.
+extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
+    sample_nucleus_mass(const float* logits, int n, const float* range_max, float temperature, float top_p,
+                        int digit, u64* hist) {
+    __shared__ u64 bins[256];
+    grid_dep();
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) bins[b] = 0;
+    const float m = max_of_ranges(range_max);
+    const NucleusBoundary nb = nucleus_boundary(hist, digit, top_p);  // (its barrier orders the zeroing)
+    const int shift = 24 - 8 * digit;
+    float v[SAMPLE_ROW_PER_THREAD];
+    load_range(logits, block_range(n), v);
+#pragma unroll
+    for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
+        const u32 key = ordered_bits(v[j]);
+        if (v[j] == v[j] && (key & nb.mask) == nb.prefix) {
+            const u64 w = fixed_weight(v[j], m, temperature);
+            if (w) atomicAdd(&bins[(key >> shift) & 255u], w);
+        }
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += blockDim.x)
+        if (bins[b]) atomicAdd(&hist[digit * 256 + b], bins[b]);
+}
+
+// Launch as sample_nucleus_mass, after its four passes; `ticket` zero (the last block leaves it
+// and `hist` so). The draw is `u`, or *u_at where u_at is not null; with `params` not null the
+// sample ends a chained decode step (finish_chained_step into `host_out`), `out` then the
+// kernel's scratch.
+extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
+    sample_nucleus_draw(const float* logits, int n, const float* range_max, float temperature, float top_p,
+                        float min_p, u64* hist, double u, const double* u_at, u64* range_mass, u32* range_ties,
+                        u32* ticket, int* out, int* params, int* host_out) {
+    grid_dep();
+    const int tid = threadIdx.x, ranges = gridDim.x;
+    const float m = max_of_ranges(range_max);
+    const float cutoff = min_p_cutoff(m, temperature, min_p);
+    const NucleusBoundary nb = nucleus_boundary(hist, NUCLEUS_DIGITS, top_p);
+    const u32 bound = nb.prefix;  // every digit known: the boundary key itself
+    const float bound_v = from_ordered_bits(bound);
+    // Its keys' weight (the same for each); the fewest j of them that reach `need` belong.
+    const u64 bound_w = fixed_weight(bound_v, m, temperature);
+    const u64 ties_in = nb.need > nb.above && bound_w > 0 ? (nb.need - nb.above + bound_w - 1) / bound_w : 0;
+    const u64 tie_w = bound_v >= cutoff ? bound_w : 0;
+    {
+        float v[SAMPLE_ROW_PER_THREAD];
+        load_range(logits, block_range(n), v);
+        u64 mass = 0;
+        u32 ties = 0;
+#pragma unroll
+        for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
+            const u32 key = ordered_bits(v[j]);
+            if (v[j] == v[j] && key > bound && v[j] >= cutoff) mass += fixed_weight(v[j], m, temperature);
+            ties += v[j] == v[j] && key == bound;
+        }
+        mass = block_reduce(mass, [](u64 a, u64 b) { return a + b; });
+        ties = block_reduce(ties, [](u32 a, u32 b) { return a + b; });
+        __shared__ bool last_block;
+        if (tid == 0) {
+            range_mass[blockIdx.x] = mass;
+            range_ties[blockIdx.x] = ties;
+            __threadfence();  // this range's sums are visible before its ticket counts
+            last_block = atomicAdd(ticket, 1u) == (u32)ranges - 1;
+        }
+        __syncthreads();
+        if (!last_block) return;
+    }
+    // The last block: every block has read `hist` and written its range's sums.
+    __threadfence();
+    if (u_at) u = *u_at;
+    for (int i = tid; i < NUCLEUS_DIGITS * 256; i += blockDim.x) hist[i] = 0;
+    __shared__ u64 sh_offset, sh_ties_left;
+    __shared__ int sh_range;
+    if (tid == 0) {
+        *ticket = 0;
+        const volatile u64* mass = range_mass;
+        const volatile u32* ties = range_ties;
+        // Range r's members' weight: its keys above the boundary, and the boundary keys it has
+        // among the first ties_in in id order.
+        auto range_weight = [&](int r, u64 ties_left) { return mass[r] + min((u64)ties[r], ties_left) * tie_w; };
+        u64 total = 0, left = ties_in;
+        for (int r = 0; r < ranges; ++r) {
+            total += range_weight(r, left);
+            left -= min((u64)ties[r], left);
+        }
+        sh_range = -1;
+        if (total > 0) {
+            const u64 t = min((u64)floor(u * (double)total), total - 1);
+            u64 acc = 0;
+            left = ties_in;
+            for (int r = 0; r < ranges; ++r) {
+                const u64 w = range_weight(r, left);
+                if (t < acc + w) {
+                    sh_range = r;
+                    sh_offset = t - acc;
+                    sh_ties_left = left;
+                    break;
+                }
+                acc += w;
+                left -= min((u64)ties[r], left);
+            }
+        }
+    }
+    __syncthreads();
+    if (sh_range < 0) {  // no finite weight (an infinite logit): the host takes the argmax
+        const int t = block_argmax(logits, n);
+        if (tid == 0) sample_done_by_this_thread(out, t, 0);
+    } else {
+        // The chosen range, eight contiguous ids a thread: each thread's boundary keys are
+        // numbered after the threads' before it.
+        const int a = min(n, sh_range * SAMPLE_ROW_RANGE + tid * SAMPLE_ROW_PER_THREAD);
+        const int b = min(n, a + SAMPLE_ROW_PER_THREAD);
+        auto is_tie = [&](float v) { return v == v && ordered_bits(v) == bound; };
+        int own_ties = 0;
+        for (int c = a; c < b; ++c) own_ties += is_tie(logits[c]);
+        const u64 ties_before = (u64)(block_inclusive_scan(own_ties) - own_ties);
+        // Member c's weight; `tie` counts the boundary keys seen so far by this thread.
+        auto member_weight = [&](float v, u64& tie) -> u64 {
+            if (v != v) return 0;
+            const u32 key = ordered_bits(v);
+            if (key > bound) return v >= cutoff ? fixed_weight(v, m, temperature) : 0;
+            if (key == bound) return ties_before + tie++ < sh_ties_left ? tie_w : 0;
+            return 0;
+        };
+        u64 own = 0, tie = 0;
+        for (int c = a; c < b; ++c) own += member_weight(logits[c], tie);
+        const u64 incl = block_inclusive_scan(own), excl = incl - own;
+        if (excl <= sh_offset && sh_offset < incl) {  // exactly one thread: the sums are exact
+            u64 left = sh_offset - excl;
+            tie = 0;
+            for (int c = a; c < b; ++c) {
+                const u64 w = member_weight(logits[c], tie);
+                if (left < w) {
+                    sample_done_by_this_thread(out, c, 0);
+                    break;
+                }
+                left -= w;
+            }
+        }
+    }
+    __syncthreads();
+    if (params && tid == 0) finish_chained_step(params, host_out, out[0], out[1]);
 }
