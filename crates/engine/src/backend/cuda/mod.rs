@@ -663,7 +663,8 @@ struct ChainBuffers {
     /// `sample_row_weights`' and `sample_nucleus_draw`'s ticket (zero between launches),
     /// chained or not.
     row_ticket: CudaSlice<u32>,
-    /// `sample_nucleus_mass`'s four 256-bin weight sums (zero between launches).
+    /// `sample_nucleus_mass`'s weight sums, 2,048 bins for each of its three digits (zero
+    /// between launches).
     nucleus_hist: CudaSlice<u64>,
     draw: CudaSlice<f64>,
     sample_out: CudaSlice<i32>,
@@ -1161,7 +1162,7 @@ impl CudaBackend {
             key: zeroed(&dev, 1)?,
             ticket: zeroed(&dev, 1)?,
             row_ticket: zeroed(&dev, 1)?,
-            nucleus_hist: zeroed(&dev, 4 * 256)?,
+            nucleus_hist: zeroed(&dev, 3 * 2048)?,
             draw: zeroed(&dev, 1)?,
             sample_out: zeroed(&dev, 2)?,
             chosen: ChosenSlots::new(&dev)?,
@@ -3900,7 +3901,7 @@ impl CudaBackend {
 
     /// The sampler over one logits row for `p` (kernels/sample.cu), on a grid of ranges of 2,048
     /// ids where it can: the whole row at top-p 1 (`sample_row_max` then `sample_row_weights`),
-    /// top-p over the whole row (`sample_row_max`, four `sample_nucleus_mass` passes, then
+    /// top-p over the whole row (`sample_row_max`, three `sample_nucleus_mass` passes, then
     /// `sample_nucleus_draw`), a top-k whose ranges' best fit one block's candidates
     /// (`sample_row_top` then `sample_top_merge`); every other choice on one block of
     /// SAMPLE_THREADS (1,024) threads (`sample_token`).
@@ -3945,7 +3946,7 @@ impl CudaBackend {
         if p.temperature > 0.0 && limit >= n && p.top_p < 1.0 && n < 1 << 21 {
             let range_max = row_max()?;
             let hist = self.ptr(&self.chain.nucleus_hist);
-            for digit in 0..4i32 {
+            for digit in 0..3i32 {
                 launch!(
                     self,
                     sample_nucleus_mass,

@@ -495,6 +495,59 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     if (threadIdx.x == 0) range_max[blockIdx.x] = m;
 }
 
+// Which of `count` items holds `target_of(total)` on their weights' cumulative sum in item
+// order, total the sum of all: every thread gets the item whose interval [acc, acc + w), w > 0,
+// holds it, and the target's offset into it. Thread t owns the consecutive items
+// [t * per, (t + 1) * per): it sums them, a block scan gives each thread its interval, and the
+// thread whose interval holds the target walks its items. Integer weights find the item exactly;
+// f64 sums may round past every interval (target at or past the total, or in a gap between a
+// thread's scan and its own sums): the last item of positive weight then, offset +inf. Item -1
+// only where the total is not positive. Every thread of the block calls it.
+template <typename T>
+struct Interval {
+    int item;
+    T offset, total;
+};
+template <typename T, typename Weight, typename Target>
+__device__ __forceinline__ Interval<T> find_interval(int count, Weight weight, Target target_of) {
+    __shared__ T scan[SAMPLE_ROW_THREADS];
+    __shared__ Interval<T> sh;
+    const int tid = threadIdx.x, per = (count + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int lo = min(count, tid * per), hi = min(count, lo + per);
+    T own = 0;
+    for (int i = lo; i < hi; ++i) own += weight(i);
+    const T incl = block_inclusive_scan(own);  // (its first barrier orders a previous call's reads)
+    scan[tid] = incl;
+    if (tid == 0) sh.item = -1;
+    __syncthreads();
+    const T total = scan[blockDim.x - 1], excl = tid ? scan[tid - 1] : T(0);
+    const T target = target_of(total);
+    if (own > 0 && excl <= target && target < incl) {
+        T acc = excl;
+        for (int i = lo; i < hi; ++i) {
+            const T w = weight(i);
+            if (w > 0 && target < acc + w) {
+                sh.item = i;
+                sh.offset = target - acc;
+                break;
+            }
+            acc += w;
+        }
+    }
+    __syncthreads();
+    Interval<T> r = sh;
+    r.total = total;
+    if (r.item < 0 && total > 0) {  // rounding (f64): the last item of positive weight
+        int last = -1;
+        for (int i = lo; i < hi; ++i)
+            if (weight(i) > 0) last = i;
+        r.item = block_reduce(last, [](int x, int y) { return max(x, y); });
+        r.offset = (T)__longlong_as_double(0x7ff0000000000000ll);  // +inf
+    }
+    __syncthreads();  // `sh` and `scan` are read before a next call writes them
+    return r;
+}
+
 // Launch as sample_row_max, after it; `ticket` zero (the last block leaves it so). The draw is
 // `u`, or *u_at where u_at is not null; with `params` not null the sample ends a chained decode
 // step (finish_chained_step into `host_out`), `out` then the kernel's scratch.
@@ -504,12 +557,12 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
                        int* host_out) {
     grid_dep();
     const int tid = threadIdx.x, ranges = gridDim.x;
+    float v[SAMPLE_ROW_PER_THREAD];
+    load_range(logits, block_range(n), v);
     const float m = max_of_ranges(range_max);
     const float cutoff = min_p_cutoff(m, temperature, min_p);
-    auto weight = [&](float v) { return v >= cutoff ? expf((v - m) / temperature) : 0.f; };
+    auto weight = [&](float x) { return x >= cutoff ? expf((x - m) / temperature) : 0.f; };
     {
-        float v[SAMPLE_ROW_PER_THREAD];
-        load_range(logits, block_range(n), v);
         double s = 0.0;
 #pragma unroll
         for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) s += (double)weight(v[j]);
@@ -523,76 +576,22 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
         __syncthreads();
         if (!last_block) return;
     }
-    // The last block: every range's sum is in range_sum.
+    // The last block: every range's sum is in range_sum. The range whose interval holds u * total,
+    // then the id in it whose interval holds the rest.
     __threadfence();
     if (u_at) u = *u_at;
-    __shared__ double sh_total, sh_offset;
-    __shared__ int sh_range;
-    if (tid == 0) {
-        *ticket = 0;
-        const volatile double* sums = range_sum;
-        double total = 0.0;
-        for (int r = 0; r < ranges; ++r) total += sums[r];
-        const double target = u * total;
-        double acc = 0.0, offset = __longlong_as_double(0x7ff0000000000000ll);  // +inf
-        int chosen = -1, last_positive = -1;
-        for (int r = 0; r < ranges; ++r) {
-            const double sr = sums[r];
-            if (sr > 0.0) {
-                last_positive = r;
-                if (chosen < 0 && acc <= target && target < acc + sr) {
-                    chosen = r;
-                    offset = target - acc;
-                }
-            }
-            acc += sr;
-        }
-        sh_total = total;
-        sh_range = chosen >= 0 ? chosen : last_positive;
-        sh_offset = offset;  // infinite: no interval holds it, the range's last positive weight
-    }
-    __syncthreads();
-    if (!(sh_total > 0.0)) {  // no weight at all: the host takes the argmax
+    if (tid == 0) *ticket = 0;
+    const volatile double* sums = range_sum;
+    const Interval<double> range =
+        find_interval<double>(ranges, [&](int r) { return sums[r]; }, [&](double total) { return u * total; });
+    if (!(range.total > 0.0)) {  // no weight at all: the host takes the argmax
         const int t = block_argmax(logits, n);
         if (tid == 0) sample_done_by_this_thread(out, t, 0);
     } else {
-        const int a = min(n, sh_range * SAMPLE_ROW_RANGE + tid * SAMPLE_ROW_PER_THREAD);
-        const int b = min(n, a + SAMPLE_ROW_PER_THREAD);
-        double own = 0.0;
-        int own_last = -1;
-        for (int c = a; c < b; ++c) {
-            const float w = weight(logits[c]);
-            if (w > 0.f) {
-                own += (double)w;
-                own_last = c;
-            }
-        }
-        // Each thread's interval [excl, incl), excl exactly the previous thread's incl.
-        __shared__ double scan[SAMPLE_ROW_THREADS];
-        const double incl = block_inclusive_scan(own);
-        scan[tid] = incl;
-        __syncthreads();
-        const double excl = tid ? scan[tid - 1] : 0.0;
-        const int range_last = block_reduce(own_last, [](int x, int y) { return max(x, y); });
-        const double r = sh_offset;
-        const bool holds = own > 0.0 && excl <= r && r < incl;
-        if (__syncthreads_or(holds) == 0) {
-            if (tid == 0) sample_done_by_this_thread(out, range_last, 0);
-        } else if (holds) {
-            double left = r - excl;
-            int pick = -1;
-            for (int c = a; c < b; ++c) {
-                const float w = weight(logits[c]);
-                if (w > 0.f) {
-                    if (left < (double)w) {
-                        pick = c;
-                        break;
-                    }
-                    left -= (double)w;
-                }
-            }
-            sample_done_by_this_thread(out, pick >= 0 ? pick : own_last, 0);
-        }
+        const int lo = range.item * SAMPLE_ROW_RANGE, len = min(n, lo + SAMPLE_ROW_RANGE) - lo;
+        const Interval<double> id = find_interval<double>(
+            len, [&](int i) { return (double)weight(logits[lo + i]); }, [&](double) { return range.offset; });
+        if (tid == 0) sample_done_by_this_thread(out, lo + id.item, 0);
     }
     __syncthreads();
     if (params && tid == 0) finish_chained_step(params, host_out, out[0], out[1]);
@@ -672,19 +671,24 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // whatever the nucleus' size. Each valid logit weighs exp((l - max) / T) in units of 2^-32
 // (`fixed_weight`, at most 2^32; the row's sum Z below 2^53 for rows under 2^21 ids). The
 // nucleus' boundary is the ordered key (ordered_bits) at which the weights of the keys above it,
-// largest first, reach need = ceil(top_p Z): a radix select by weight rather than by count, eight
-// bits a pass from the top. The launches, each on the grid of sample_row_max:
+// largest first, reach need = ceil(top_p Z): a radix select by weight rather than by count, in
+// three digits of 11, 11 and 10 bits from the top. The launches, each on sample_row_max's grid:
 //   sample_row_max        the range maxima (and the penalties, as for the whole row);
-//   sample_nucleus_mass   four times, digit 0 to 3: the weights of the keys that match the
-//                         boundary's digits found so far, summed by their next digit into
-//                         hist[digit] (integer atomics: the same sums in any order);
-//   sample_nucleus_draw   the boundary key k, the weight of the keys above it and each range's
-//                         weight of them (those at or above the min-p cutoff) and count of keys
-//                         equal to k; the last block takes the j lowest-id keys equal to k that
-//                         the nucleus needs, draws t = floor(u S) over the members' weight S, and
-//                         finds the member whose interval, in id order, holds t; it leaves
+//   sample_nucleus_mass   once a digit: the weights of the keys that match the boundary's digits
+//                         found so far, summed by their next digit into hist[digit] (integer
+//                         atomics: the same sums in any order);
+//   sample_nucleus_draw   the boundary key k, the weight of the keys above it; each range's
+//                         members' weight (its keys above k, at or above the min-p cutoff) and
+//                         its count of keys equal to k; the last block takes the lowest-id keys
+//                         equal to k that the nucleus needs, draws t = floor(u S) over the
+//                         members' weight S, and finds the member whose interval, in id order,
+//                         holds t (find_interval, for the range, then for the id); it leaves
 //                         `hist` and `ticket` zero for the next sample.
-constexpr int NUCLEUS_DIGITS = 4;
+constexpr int NUCLEUS_DIGITS = 3;
+constexpr int NUCLEUS_BINS = 2048;  // the widest digit's; hist holds NUCLEUS_DIGITS x NUCLEUS_BINS
+
+__device__ __forceinline__ int nucleus_width(int digit) { return digit < 2 ? 11 : 10; }
+__device__ __forceinline__ int nucleus_shift(int digit) { return digit == 0 ? 21 : digit == 1 ? 10 : 0; }
 
 __device__ __forceinline__ u64 fixed_weight(float v, float m, float temperature) {
     return (u64)(expf((v - m) / temperature) * 4294967296.f);  // truncates; NaN gives 0
@@ -692,80 +696,91 @@ __device__ __forceinline__ u64 fixed_weight(float v, float m, float temperature)
 
 // What the mass histograms of digits [0, digits) say about the nucleus' boundary key: its digits
 // (`prefix`, under `mask`), the weight of the keys above those digits (`above`), and `need`
-// (0 when the row has no finite weight, or digits = 0). Warp 0 scans each digit's bins from the
-// top (eight a lane); every thread gets the result.
+// (0 when the row has no finite weight, or digits = 0). Each digit's bins are scanned from the
+// top by the block, eight (or four) a thread; every thread gets the result. Launch with
+// SAMPLE_ROW_THREADS threads.
 struct NucleusBoundary {
     u32 prefix, mask;
     u64 above, need;
 };
 __device__ __forceinline__ NucleusBoundary nucleus_boundary(const u64* hist, int digits, float top_p) {
     __shared__ NucleusBoundary sh;
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        NucleusBoundary nb = {0u, 0u, 0ull, 0ull};
-        if (digits > 0) {
-            u64 z = 0;
-            for (int b = lane; b < 256; b += 32) z += hist[b];
-            for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(FULL_MASK, z, o);
-            if (z > 0) nb.need = min(max((u64)ceil((double)top_p * (double)z), 1ull), z);
-        }
-        for (int d = 0; d < digits && nb.need > 0; ++d) {
-            u64 bins[8], sum = 0;
+    const int tid = threadIdx.x;
+    // Every digit's bins are loaded at once (they do not depend on the digits before).
+    u64 mine[NUCLEUS_DIGITS][8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) sum += bins[j] = hist[d * 256 + 255 - (lane * 8 + j)];
-            const u64 incl = warp_inclusive_scan(sum);
-            u64 above = nb.above + incl - sum;  // the bins above this lane's
-            int bin = -1;
-            if (above < nb.need && nb.need <= nb.above + incl) {
-                for (int j = 0; j < 8; ++j) {
-                    if (above + bins[j] >= nb.need) {
-                        bin = 255 - (lane * 8 + j);
-                        break;
-                    }
-                    above += bins[j];
-                }
-            }
-            const int holder = __ffs(__ballot_sync(FULL_MASK, bin >= 0)) - 1;  // exactly one lane
-            const int shift = 24 - 8 * d;
-            nb.prefix |= (u32)__shfl_sync(FULL_MASK, bin, holder) << shift;
-            nb.mask |= 255u << shift;
-            nb.above = __shfl_sync(FULL_MASK, above, holder);
-        }
-        if (lane == 0) sh = nb;
+    for (int d = 0; d < NUCLEUS_DIGITS; ++d) {
+        const int bins = 1 << nucleus_width(d), per = bins / (int)blockDim.x;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            mine[d][j] = d < digits && j < per ? hist[d * NUCLEUS_BINS + bins - 1 - (tid * per + j)] : 0;
     }
-    __syncthreads();
-    return sh;
+    NucleusBoundary nb = {0u, 0u, 0ull, 0ull};
+    if (digits > 0) {  // Z: digit 0's bins hold every weight
+        u64 z = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) z += mine[0][j];
+        z = block_reduce(z, [](u64 a, u64 b) { return a + b; });
+        if (z > 0) nb.need = min(max((u64)ceil((double)top_p * (double)z), 1ull), z);
+    }
+#pragma unroll
+    for (int d = 0; d < NUCLEUS_DIGITS; ++d) {
+        if (d >= digits || nb.need == 0) break;
+        const int bins = 1 << nucleus_width(d), per = bins / (int)blockDim.x, shift = nucleus_shift(d);
+        u64 sum = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum += mine[d][j];
+        const u64 incl = block_inclusive_scan(sum);
+        u64 above = nb.above + incl - sum;  // the bins above this thread's
+        if (above < nb.need && nb.need <= nb.above + incl) {  // exactly one thread
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j < per && above + mine[d][j] >= nb.need) {
+                    sh.prefix = nb.prefix | ((u32)(bins - 1 - (tid * per + j)) << shift);
+                    sh.above = above;
+                    break;
+                }
+                above += mine[d][j];
+            }
+        }
+        __syncthreads();
+        nb.prefix = sh.prefix;
+        nb.above = sh.above;
+        nb.mask |= (u32)(bins - 1) << shift;
+        __syncthreads();  // `sh` is read before the next digit's thread writes it
+    }
+    return nb;
 }
 
 // Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks after
-// sample_row_max (and the passes of lower digits); `hist` NUCLEUS_DIGITS x 256 sums, zero before
-// digit 0.
+// sample_row_max (and the passes of lower digits); `hist` zero before digit 0.
 extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     sample_nucleus_mass(const float* logits, int n, const float* range_max, float temperature, float top_p,
                         int digit, u64* hist) {
-    __shared__ u64 bins[256];
+    __shared__ u64 bins[NUCLEUS_BINS];  // 16 KiB
     grid_dep();
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) bins[b] = 0;
-    const float m = max_of_ranges(range_max);
-    const NucleusBoundary nb = nucleus_boundary(hist, digit, top_p);  // (its barrier orders the zeroing)
-    const int shift = 24 - 8 * digit;
     float v[SAMPLE_ROW_PER_THREAD];
     load_range(logits, block_range(n), v);
+    for (int b = threadIdx.x; b < NUCLEUS_BINS; b += blockDim.x) bins[b] = 0;
+    const float m = max_of_ranges(range_max);  // (its barriers order the zeroing)
+    const NucleusBoundary nb = nucleus_boundary(hist, digit, top_p);
+    const int shift = nucleus_shift(digit);
+    const u32 digit_mask = (1u << nucleus_width(digit)) - 1u;
 #pragma unroll
     for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
         const u32 key = ordered_bits(v[j]);
         if (v[j] == v[j] && (key & nb.mask) == nb.prefix) {
             const u64 w = fixed_weight(v[j], m, temperature);
-            if (w) atomicAdd(&bins[(key >> shift) & 255u], w);
+            if (w) atomicAdd(&bins[(key >> shift) & digit_mask], w);
         }
     }
     __syncthreads();
-    for (int b = threadIdx.x; b < 256; b += blockDim.x)
-        if (bins[b]) atomicAdd(&hist[digit * 256 + b], bins[b]);
+    for (int b = threadIdx.x; b <= (int)digit_mask; b += blockDim.x)
+        if (bins[b]) atomicAdd(&hist[digit * NUCLEUS_BINS + b], bins[b]);
 }
 
-// Launch as sample_nucleus_mass, after its four passes; `ticket` zero (the last block leaves it
-// and `hist` so). The draw is `u`, or *u_at where u_at is not null; with `params` not null the
+// Launch as sample_nucleus_mass, after its passes; `ticket` zero (the last block leaves it and
+// `hist` so). The draw is `u`, or *u_at where u_at is not null; with `params` not null the
 // sample ends a chained decode step (finish_chained_step into `host_out`), `out` then the
 // kernel's scratch.
 extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
@@ -774,25 +789,28 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
                         u32* ticket, int* out, int* params, int* host_out) {
     grid_dep();
     const int tid = threadIdx.x, ranges = gridDim.x;
+    float v[SAMPLE_ROW_PER_THREAD];
+    load_range(logits, block_range(n), v);
     const float m = max_of_ranges(range_max);
     const float cutoff = min_p_cutoff(m, temperature, min_p);
     const NucleusBoundary nb = nucleus_boundary(hist, NUCLEUS_DIGITS, top_p);
     const u32 bound = nb.prefix;  // every digit known: the boundary key itself
     const float bound_v = from_ordered_bits(bound);
-    // Its keys' weight (the same for each); the fewest j of them that reach `need` belong.
+    // Its keys' weight (the same for each); the fewest of them that reach `need` belong.
     const u64 bound_w = fixed_weight(bound_v, m, temperature);
     const u64 ties_in = nb.need > nb.above && bound_w > 0 ? (nb.need - nb.above + bound_w - 1) / bound_w : 0;
     const u64 tie_w = bound_v >= cutoff ? bound_w : 0;
+    auto above_weight = [&](float x) -> u64 {  // a key above the boundary's member weight
+        return x == x && ordered_bits(x) > bound && x >= cutoff ? fixed_weight(x, m, temperature) : 0;
+    };
+    auto is_tie = [&](float x) { return x == x && ordered_bits(x) == bound; };
     {
-        float v[SAMPLE_ROW_PER_THREAD];
-        load_range(logits, block_range(n), v);
         u64 mass = 0;
         u32 ties = 0;
 #pragma unroll
         for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
-            const u32 key = ordered_bits(v[j]);
-            if (v[j] == v[j] && key > bound && v[j] >= cutoff) mass += fixed_weight(v[j], m, temperature);
-            ties += v[j] == v[j] && key == bound;
+            mass += above_weight(v[j]);
+            ties += is_tie(v[j]);
         }
         mass = block_reduce(mass, [](u64 a, u64 b) { return a + b; });
         ties = block_reduce(ties, [](u32 a, u32 b) { return a + b; });
@@ -809,75 +827,45 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     // The last block: every block has read `hist` and written its range's sums.
     __threadfence();
     if (u_at) u = *u_at;
-    for (int i = tid; i < NUCLEUS_DIGITS * 256; i += blockDim.x) hist[i] = 0;
-    __shared__ u64 sh_offset, sh_ties_left;
-    __shared__ int sh_range;
-    if (tid == 0) {
-        *ticket = 0;
-        const volatile u64* mass = range_mass;
-        const volatile u32* ties = range_ties;
-        // Range r's members' weight: its keys above the boundary, and the boundary keys it has
-        // among the first ties_in in id order.
-        auto range_weight = [&](int r, u64 ties_left) { return mass[r] + min((u64)ties[r], ties_left) * tie_w; };
-        u64 total = 0, left = ties_in;
-        for (int r = 0; r < ranges; ++r) {
-            total += range_weight(r, left);
-            left -= min((u64)ties[r], left);
-        }
-        sh_range = -1;
-        if (total > 0) {
-            const u64 t = min((u64)floor(u * (double)total), total - 1);
-            u64 acc = 0;
-            left = ties_in;
-            for (int r = 0; r < ranges; ++r) {
-                const u64 w = range_weight(r, left);
-                if (t < acc + w) {
-                    sh_range = r;
-                    sh_offset = t - acc;
-                    sh_ties_left = left;
-                    break;
-                }
-                acc += w;
-                left -= min((u64)ties[r], left);
-            }
-        }
+    for (int i = tid; i < NUCLEUS_DIGITS * NUCLEUS_BINS; i += blockDim.x) hist[i] = 0;
+    if (tid == 0) *ticket = 0;
+    const volatile u64* mass = range_mass;
+    const volatile u32* ties = range_ties;
+    // The member ties (the first ties_in in id order) end in range last_r, `last_n` of its own.
+    int last_r = -1;
+    u64 last_n = 0;
+    if (ties_in > 0) {
+        const Interval<u64> t = find_interval<u64>(
+            ranges, [&](int r) { return (u64)ties[r]; }, [&](u64) { return ties_in - 1; });
+        last_r = t.item;
+        last_n = t.offset + 1;
     }
-    __syncthreads();
-    if (sh_range < 0) {  // no finite weight (an infinite logit): the host takes the argmax
+    auto range_weight = [&](int r) -> u64 {
+        return mass[r] + (r < last_r ? (u64)ties[r] : r == last_r ? last_n : 0) * tie_w;
+    };
+    const Interval<u64> range = find_interval<u64>(ranges, range_weight, [&](u64 total) {
+        return total ? min((u64)floor(u * (double)total), total - 1) : 0ull;
+    });
+    if (range.total == 0) {  // no finite weight (an infinite logit): the host takes the argmax
         const int t = block_argmax(logits, n);
         if (tid == 0) sample_done_by_this_thread(out, t, 0);
     } else {
-        // The chosen range, eight contiguous ids a thread: each thread's boundary keys are
-        // numbered after the threads' before it.
-        const int a = min(n, sh_range * SAMPLE_ROW_RANGE + tid * SAMPLE_ROW_PER_THREAD);
-        const int b = min(n, a + SAMPLE_ROW_PER_THREAD);
-        auto is_tie = [&](float v) { return v == v && ordered_bits(v) == bound; };
-        int own_ties = 0;
-        for (int c = a; c < b; ++c) own_ties += is_tie(logits[c]);
-        const u64 ties_before = (u64)(block_inclusive_scan(own_ties) - own_ties);
-        // Member c's weight; `tie` counts the boundary keys seen so far by this thread.
-        auto member_weight = [&](float v, u64& tie) -> u64 {
-            if (v != v) return 0;
-            const u32 key = ordered_bits(v);
-            if (key > bound) return v >= cutoff ? fixed_weight(v, m, temperature) : 0;
-            if (key == bound) return ties_before + tie++ < sh_ties_left ? tie_w : 0;
-            return 0;
-        };
-        u64 own = 0, tie = 0;
-        for (int c = a; c < b; ++c) own += member_weight(logits[c], tie);
-        const u64 incl = block_inclusive_scan(own), excl = incl - own;
-        if (excl <= sh_offset && sh_offset < incl) {  // exactly one thread: the sums are exact
-            u64 left = sh_offset - excl;
-            tie = 0;
-            for (int c = a; c < b; ++c) {
-                const u64 w = member_weight(logits[c], tie);
-                if (left < w) {
-                    sample_done_by_this_thread(out, c, 0);
-                    break;
-                }
-                left -= w;
-            }
+        const int lo = range.item * SAMPLE_ROW_RANGE, len = min(n, lo + SAMPLE_ROW_RANGE) - lo;
+        // The range's member ties end at id last_tie (all of them before last_r, none after).
+        int last_tie = range.item < last_r ? n : -1;
+        if (range.item == last_r) {
+            const Interval<u64> t = find_interval<u64>(
+                len, [&](int i) { return (u64)is_tie(logits[lo + i]); }, [&](u64) { return last_n - 1; });
+            last_tie = lo + t.item;
         }
+        const Interval<u64> id = find_interval<u64>(
+            len,
+            [&](int i) {
+                const float x = logits[lo + i];
+                return is_tie(x) ? (lo + i <= last_tie ? tie_w : 0ull) : above_weight(x);
+            },
+            [&](u64) { return range.offset; });
+        if (tid == 0) sample_done_by_this_thread(out, lo + id.item, 0);
     }
     __syncthreads();
     if (params && tid == 0) finish_chained_step(params, host_out, out[0], out[1]);
