@@ -265,17 +265,8 @@ pub fn choose(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
 /// one draw, no sort (the OpenAI default `top_p = 1` must not cost a 248k-entry sort).
 fn sample_whole_vocabulary(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
     let t = p.temperature;
-    let m = logits
-        .iter()
-        .copied()
-        .filter(|l| !l.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
-    // min-p keeps tokens with p >= min_p * p_max, i.e. logit >= max + T ln(min_p).
-    let cutoff = if p.min_p > 0.0 {
-        m + t * p.min_p.ln()
-    } else {
-        f32::NEG_INFINITY
-    };
+    let m = valid_max(logits);
+    let cutoff = min_p_cutoff(p, m);
     let weights: Vec<f32> = logits
         .iter()
         .map(|&l| {
@@ -301,6 +292,40 @@ fn sample_whole_vocabulary(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
     last
 }
 
+/// The largest logit that is not NaN (-inf where there is none).
+fn valid_max(logits: &[f32]) -> f32 {
+    logits
+        .iter()
+        .copied()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// The logits that are not NaN, as (id, logit).
+fn valid_logits(logits: &[f32]) -> Vec<(u32, f32)> {
+    logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| !l.is_nan())
+        .map(|(i, &l)| (i as u32, l))
+        .collect()
+}
+
+/// The order of candidates: the larger logit first, ties to the lower id.
+fn best_first(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// min-p keeps tokens with p >= min_p * p_max, i.e. logit >= max + T ln(min_p) (-inf without
+/// min-p).
+fn min_p_cutoff(p: &SamplingParams, max: f32) -> f32 {
+    if p.min_p > 0.0 {
+        max + p.temperature * p.min_p.ln()
+    } else {
+        f32::NEG_INFINITY
+    }
+}
+
 /// A weight in units of 2^-32 of the largest (which is 1): exact integers, so that the nucleus
 /// and the draw add them in any order (a device's grid does) to the same sums.
 fn fixed_weight(logit: f32, max: f32, temperature: f32) -> u64 {
@@ -320,32 +345,21 @@ fn fixed_weight(logit: f32, max: f32, temperature: f32) -> u64 {
 /// (`sample_nucleus_*` in kernels/sample.cu) chooses the same token. An infinite logit leaves no
 /// finite weight: the argmax then.
 fn sample_nucleus(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
-    let t = p.temperature;
-    let max = logits
-        .iter()
-        .copied()
-        .filter(|l| !l.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
-    let weight = |l: f32| fixed_weight(l, max, t);
-    let mut valid: Vec<(u32, f32)> = logits
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| !l.is_nan())
-        .map(|(i, &l)| (i as u32, l))
-        .collect();
+    let max = valid_max(logits);
+    let weight = |l: f32| fixed_weight(l, max, p.temperature);
+    let mut valid = valid_logits(logits);
     let z: u64 = valid.iter().map(|&(_, l)| weight(l)).sum();
     if z == 0 {
         return argmax(logits);
     }
     let need = ((p.top_p as f64 * z as f64).ceil() as u64).clamp(1, z);
     // The nucleus, from the best `k` in order, k growing until their weights reach `need`.
-    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     let mut k = TOP_P_PREFILTER.min(valid.len());
     let members = loop {
         if k < valid.len() {
-            valid.select_nth_unstable_by(k - 1, order);
+            valid.select_nth_unstable_by(k - 1, best_first);
         }
-        valid[..k].sort_by(order);
+        valid[..k].sort_by(best_first);
         let mut mass = 0u64;
         let reached = valid[..k].iter().position(|&(_, l)| {
             mass += weight(l);
@@ -356,11 +370,7 @@ fn sample_nucleus(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
         }
         k = (k * 8).min(valid.len());
     };
-    let cutoff = if p.min_p > 0.0 {
-        max + t * p.min_p.ln()
-    } else {
-        f32::NEG_INFINITY
-    };
+    let cutoff = min_p_cutoff(p, max);
     members.sort_by_key(|&(id, _)| id);
     let member_weight = |l: f32| if l >= cutoff { weight(l) } else { 0 };
     let s: u64 = members.iter().map(|&(_, l)| member_weight(l)).sum();
@@ -381,19 +391,13 @@ fn sample_nucleus(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
 /// The `n` largest logits as (id, logit), sorted descending, ties to the lower id; NaN never
 /// selected.
 fn top_candidates(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
-    let mut all: Vec<(u32, f32)> = logits
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| !l.is_nan())
-        .map(|(i, &l)| (i as u32, l))
-        .collect();
-    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let mut all = valid_logits(logits);
     let n = n.min(all.len()).max(1).min(all.len());
     if n < all.len() {
-        all.select_nth_unstable_by(n - 1, order);
+        all.select_nth_unstable_by(n - 1, best_first);
         all.truncate(n);
     }
-    all.sort_by(order);
+    all.sort_by(best_first);
     all
 }
 
@@ -645,17 +649,10 @@ mod tests {
 
     /// `sample_nucleus` by its definition: the whole row sorted.
     fn nucleus_by_sorting(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
-        let max = logits
-            .iter()
-            .copied()
-            .filter(|l| !l.is_nan())
-            .fold(f32::NEG_INFINITY, f32::max);
+        let max = valid_max(logits);
         let w = |l: f32| fixed_weight(l, max, p.temperature);
-        let mut all: Vec<(u32, f32)> = (0..logits.len() as u32)
-            .map(|i| (i, logits[i as usize]))
-            .filter(|(_, l)| !l.is_nan())
-            .collect();
-        all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut all = valid_logits(logits);
+        all.sort_by(best_first);
         let z: u64 = all.iter().map(|&(_, l)| w(l)).sum();
         let need = ((p.top_p as f64 * z as f64).ceil() as u64).clamp(1, z);
         let mut mass = 0;
@@ -668,7 +665,7 @@ mod tests {
             members.push((i, l));
         }
         members.sort_by_key(|m| m.0);
-        let cutoff = max + p.temperature * p.min_p.ln();
+        let cutoff = min_p_cutoff(p, max);
         let weights: Vec<u64> = members
             .iter()
             .map(|&(_, l)| if l >= cutoff { w(l) } else { 0 })

@@ -4,9 +4,12 @@
 //
 //   whole row   no top-k below the vocabulary and top-p 1 (the OpenAI default): the weights
 //               exp((l - max) / T), zero below the min-p cutoff, on a grid of blocks
-//               (`sample_row_max`, `sample_row_weights`, at the end of this file);
+//               (`sample_row_max`, `sample_row_weights`, below);
+//   top-p       over the whole row (no top-k below it), the nucleus by a radix select on the
+//               weights in fixed point, on a grid of blocks (`sample_nucleus_mass`,
+//               `sample_nucleus_draw`, at the end of this file);
 //   small top-k a top-k whose ranges' best fit SAMPLE_MAX_CAND candidates, on a grid of blocks
-//               (`sample_row_top`, `sample_top_merge`, at the end of this file);
+//               (`sample_row_top`, `sample_top_merge`, below);
 //   every other choice on one block of SAMPLE_THREADS threads (`sample_token`), the row
 //               (248,320 floats, 1 MB) in L2 between its passes; one SM's pass over the row is
 //               bound by the loads it has in flight, so every pass issues SAMPLE_UNROLL loads a
@@ -19,8 +22,9 @@
 //   candidates  the K = min(limit, SAMPLE_MAX_CAND) largest logits (ties to the lower id): a
 //               radix select of the K-th largest key, a compaction in id order, a bitonic sort;
 //               then the host's softmax, top-p and min-p over them by one thread, in its order.
-//               Where the host would widen past SAMPLE_MAX_CAND candidates (the nucleus is not
-//               inside them, or top-k above them without top-p), out[1] = 1 asks for the row.
+//               Where the host would widen past SAMPLE_MAX_CAND candidates (a top-k above them,
+//               below the row: without top-p, or with a nucleus not inside them), out[1] = 1
+//               asks for the row.
 //
 // out[0] = the token, out[1] = 0 (chosen) or 1 (the host samples the row).
 constexpr int SAMPLE_THREADS = 1024;
@@ -418,11 +422,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // in sampler.rs):
 //   sample_row_max      the penalties of its range applied in place, then its range's maximum;
 //   sample_row_weights  the row's maximum from the ranges', its range's weights summed in f64;
-//                       the last block to finish adds the ranges' sums in order, finds the
-//                       range whose interval holds u * total (past every interval, by rounding,
-//                       the last positive range), and walks it: each thread sums eight
-//                       contiguous ids, and the thread whose interval holds the offset walks
-//                       them as the host does (past its ids, its last positive weight).
+//                       the last block to finish finds the range whose interval holds
+//                       u * total, then the id in it whose interval holds the rest
+//                       (find_interval; past every interval, by rounding, the last positive
+//                       range, or id).
 constexpr int SAMPLE_ROW_THREADS = 256;
 constexpr int SAMPLE_ROW_PER_THREAD = 8;
 constexpr int SAMPLE_ROW_RANGE = SAMPLE_ROW_THREADS * SAMPLE_ROW_PER_THREAD;
@@ -548,6 +551,26 @@ __device__ __forceinline__ Interval<T> find_interval(int count, Weight weight, T
     return r;
 }
 
+// A grid's hand-off to its last block: thread 0 runs `publish` (this block's results to global
+// memory), then counts the block on `ticket`; returns, in every thread, whether this block counted
+// last. The last block then sees every block's results and leaves `ticket` zero for the next
+// launch.
+template <typename Publish>
+__device__ __forceinline__ bool last_block_after(u32* ticket, Publish publish) {
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        publish();
+        __threadfence();  // this block's results are visible before its ticket counts
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last) {
+        __threadfence();
+        if (threadIdx.x == 0) *ticket = 0;
+    }
+    return last;
+}
+
 // Launch as sample_row_max, after it; `ticket` zero (the last block leaves it so). The draw is
 // `u`, or *u_at where u_at is not null; with `params` not null the sample ends a chained decode
 // step (finish_chained_step into `host_out`), `out` then the kernel's scratch.
@@ -567,20 +590,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
 #pragma unroll
         for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) s += (double)weight(v[j]);
         s = block_reduce(s, [](double a, double b) { return a + b; });
-        __shared__ bool last_block;
-        if (tid == 0) {
-            range_sum[blockIdx.x] = s;
-            __threadfence();  // this range's sum is visible before its ticket counts
-            last_block = atomicAdd(ticket, 1u) == (u32)ranges - 1;
-        }
-        __syncthreads();
-        if (!last_block) return;
+        if (!last_block_after(ticket, [&] { range_sum[blockIdx.x] = s; })) return;
     }
     // The last block: every range's sum is in range_sum. The range whose interval holds u * total,
     // then the id in it whose interval holds the rest.
-    __threadfence();
     if (u_at) u = *u_at;
-    if (tid == 0) *ticket = 0;
     const volatile double* sums = range_sum;
     const Interval<double> range =
         find_interval<double>(ranges, [&](int r) { return sums[r]; }, [&](double total) { return u * total; });
@@ -814,21 +828,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
         }
         mass = block_reduce(mass, [](u64 a, u64 b) { return a + b; });
         ties = block_reduce(ties, [](u32 a, u32 b) { return a + b; });
-        __shared__ bool last_block;
-        if (tid == 0) {
+        const bool last = last_block_after(ticket, [&] {
             range_mass[blockIdx.x] = mass;
             range_ties[blockIdx.x] = ties;
-            __threadfence();  // this range's sums are visible before its ticket counts
-            last_block = atomicAdd(ticket, 1u) == (u32)ranges - 1;
-        }
-        __syncthreads();
-        if (!last_block) return;
+        });
+        if (!last) return;
     }
     // The last block: every block has read `hist` and written its range's sums.
-    __threadfence();
     if (u_at) u = *u_at;
     for (int i = tid; i < NUCLEUS_DIGITS * NUCLEUS_BINS; i += blockDim.x) hist[i] = 0;
-    if (tid == 0) *ticket = 0;
     const volatile u64* mass = range_mass;
     const volatile u32* ties = range_ties;
     // The member ties (the first ties_in in id order) end in range last_r, `last_n` of its own.
