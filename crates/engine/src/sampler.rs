@@ -647,6 +647,26 @@ mod tests {
         assert!(f[5..].iter().all(|&x| x == 0.0), "{f:?}");
     }
 
+    #[test]
+    fn the_nucleus_of_a_row_without_finite_weights_is_its_argmax() {
+        let p = SamplingParams {
+            top_p: 0.9,
+            ..params(0.7)
+        };
+        let inf = f32::INFINITY;
+        for (row, want) in [
+            (vec![0.5, inf, 2.0, inf], 1),           // the first infinite logit
+            (vec![-inf, -inf, -inf], 0),             // nothing finite at all
+            (vec![f32::NAN, f32::NAN, 3.0, 1.0], 2), // NaN never chosen
+        ] {
+            for u in [0.0, 0.5, 0.999] {
+                assert_eq!(choose(&p, &row, u), want, "{row:?}, u {u}");
+            }
+        }
+        let all_nan = [f32::NAN; 4];
+        assert!((choose(&p, &all_nan, 0.3) as usize) < all_nan.len());
+    }
+
     /// `sample_nucleus` by its definition: the whole row sorted.
     fn nucleus_by_sorting(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
         let max = valid_max(logits);
