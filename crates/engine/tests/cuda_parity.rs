@@ -430,6 +430,9 @@ fn sampling_matches_the_host_sampler() {
         case(sampling(1.3, 1, 1.0, 0.0), &[], false),
         case(sampling(0.0, 0, 1.0, 0.0), &penalties, false),
         case(sampling(0.8, 50, 1.0, 0.0), &penalties, false),
+        case(sampling(0.7, 40, 0.95, 0.0), &[], false),
+        case(sampling(0.6, 300, 1.0, 0.0), &[], false),
+        case(sampling(1.0, 4096, 0.9, 0.05), &[], false),
         case(sampling(0.9, 0, 1.0, 0.0), &penalties, false),
     ];
     let (mut chosen, mut row_needed) = (0, 0);

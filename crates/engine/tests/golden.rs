@@ -335,6 +335,13 @@ fn chained_decode_matches_stepwise_decode<B: Backend>(
             seed: Some(7),
             ..Default::default()
         },
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            seed: Some(8),
+            ..Default::default()
+        },
     ];
     let capacity = prompt.len() + max_tokens + 1;
     for p in params {

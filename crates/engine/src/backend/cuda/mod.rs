@@ -490,7 +490,9 @@ impl Kernels {
                     row_weights: f("sample", "sample_row_weights")?,
                     row_top: f("sample", "sample_row_top")?,
                     top_merge: f("sample", "sample_top_merge")?,
-                    nucleus_mass: f("sample", "sample_nucleus_mass")?,
+                    select_pass: f("sample", "sample_select_pass")?,
+                    select_gather: f("sample", "sample_select_gather")?,
+                    select_merge: f("sample", "sample_select_merge")?,
                     nucleus_draw: f("sample", "sample_nucleus_draw")?,
                 })
             },
@@ -639,7 +641,9 @@ struct SampleKernels {
     row_weights: CudaFunction,
     row_top: CudaFunction,
     top_merge: CudaFunction,
-    nucleus_mass: CudaFunction,
+    select_pass: CudaFunction,
+    select_gather: CudaFunction,
+    select_merge: CudaFunction,
     nucleus_draw: CudaFunction,
 }
 
@@ -663,9 +667,12 @@ struct ChainBuffers {
     /// `sample_row_weights`' and `sample_nucleus_draw`'s ticket (zero between launches),
     /// chained or not.
     row_ticket: CudaSlice<u32>,
-    /// `sample_nucleus_mass`'s weight sums, 2,048 bins for each of its three digits (zero
-    /// between launches).
+    /// `sample_select_pass`'s weight sums or counts, 2,048 bins for each of its three digits
+    /// (zero between samples).
     nucleus_hist: CudaSlice<u64>,
+    /// `sample_select_gather`'s count of candidates and its overflow flag (zero between
+    /// samples).
+    select_counts: CudaSlice<u32>,
     draw: CudaSlice<f64>,
     sample_out: CudaSlice<i32>,
     chosen: ChosenSlots,
@@ -1163,6 +1170,7 @@ impl CudaBackend {
             ticket: zeroed(&dev, 1)?,
             row_ticket: zeroed(&dev, 1)?,
             nucleus_hist: zeroed(&dev, 3 * 2048)?,
+            select_counts: zeroed(&dev, 2)?,
             draw: zeroed(&dev, 1)?,
             sample_out: zeroed(&dev, 2)?,
             chosen: ChosenSlots::new(&dev)?,
@@ -3901,10 +3909,12 @@ impl CudaBackend {
 
     /// The sampler over one logits row for `p` (kernels/sample.cu), on a grid of ranges of 2,048
     /// ids where it can: the whole row at top-p 1 (`sample_row_max` then `sample_row_weights`),
-    /// top-p over the whole row (`sample_row_max`, three `sample_nucleus_mass` passes, then
+    /// top-p over the whole row (`sample_row_max`, three `sample_select_pass` passes, then
     /// `sample_nucleus_draw`), a top-k whose ranges' best fit one block's candidates
-    /// (`sample_row_top` then `sample_top_merge`); every other choice on one block of
-    /// SAMPLE_THREADS (1,024) threads (`sample_token`).
+    /// (`sample_row_top` then `sample_top_merge`), any other top-k up to 4,096 (three
+    /// `sample_select_pass` passes counting, `sample_select_gather`, then one block's
+    /// `sample_select_merge`); every other choice (greedy with penalties, a top-k past 4,096) on
+    /// one block of SAMPLE_THREADS (1,024) threads (`sample_token`).
     fn launch_sample(
         &self,
         k: &SampleKernels,
@@ -3919,11 +3929,43 @@ impl CudaBackend {
         let (sample_row_max, sample_row_weights, sample_token) =
             (&k.row_max, &k.row_weights, &k.token);
         let (sample_row_top, sample_top_merge) = (&k.row_top, &k.top_merge);
-        let (sample_nucleus_mass, sample_nucleus_draw) = (&k.nucleus_mass, &k.nucleus_draw);
+        let (sample_select_pass, sample_nucleus_draw) = (&k.select_pass, &k.nucleus_draw);
+        let (sample_select_gather, sample_select_merge) = (&k.select_gather, &k.select_merge);
         // SAMPLE_ROW_RANGE (2,048) ids a block of SAMPLE_ROW_THREADS (256).
         let ranges = n.div_ceil(2048);
         let kb = limit.min(2048);
         let grid = cfg((ranges as u32, 1), 256, 0);
+        let hist = self.ptr(&self.chain.nucleus_hist);
+        // The select passes over the row: weights for the nucleus (k 0), counts for a top-k.
+        let select_passes = |range_max: u64, k: usize| -> Result<()> {
+            for digit in 0..3i32 {
+                // A top-k's first pass applies the penalties (the nucleus': sample_row_max).
+                let pen = if k > 0 && digit == 0 {
+                    (pen_ids, pen_amounts, n_pen)
+                } else {
+                    (0, 0, 0)
+                };
+                launch!(
+                    self,
+                    sample_select_pass,
+                    grid,
+                    [
+                        self.ptr(&logits.buf),
+                        n as i32,
+                        pen.0,
+                        pen.1,
+                        pen.2,
+                        range_max,
+                        p.temperature,
+                        p.top_p,
+                        k as i32,
+                        digit,
+                        hist
+                    ]
+                )?;
+            }
+            Ok(())
+        };
         let row_max = || -> Result<DevBuf<f32>> {
             let range_max = self.tmp::<f32>(ranges)?;
             launch!(
@@ -3945,23 +3987,7 @@ impl CudaBackend {
         // under 2^21 ids.
         if p.temperature > 0.0 && limit >= n && p.top_p < 1.0 && n < 1 << 21 {
             let range_max = row_max()?;
-            let hist = self.ptr(&self.chain.nucleus_hist);
-            for digit in 0..3i32 {
-                launch!(
-                    self,
-                    sample_nucleus_mass,
-                    grid,
-                    [
-                        self.ptr(&logits.buf),
-                        n as i32,
-                        range_max.ptr,
-                        p.temperature,
-                        p.top_p,
-                        digit,
-                        hist
-                    ]
-                )?;
-            }
+            select_passes(range_max.ptr, 0)?;
             let range_mass = self.tmp::<u64>(ranges)?;
             let range_ties = self.tmp::<u32>(ranges)?;
             return launch!(
@@ -4034,6 +4060,47 @@ impl CudaBackend {
                 [
                     range_top.ptr,
                     (kb * ranges) as i32,
+                    limit as i32,
+                    p.temperature,
+                    p.top_p,
+                    p.min_p,
+                    io.u,
+                    io.u_at,
+                    io.out,
+                    io.params,
+                    io.host_out
+                ]
+            );
+        }
+        // Any other top-k up to SAMPLE_MAX_CAND: the k-th largest by counting passes, the keys
+        // at or above it gathered, one block choosing among them.
+        if p.temperature > 0.0 && limit <= 4096 && n < 1 << 21 {
+            select_passes(0, limit)?;
+            let cand = self.tmp::<u64>(4096)?;
+            let counts = self.ptr(&self.chain.select_counts);
+            launch!(
+                self,
+                sample_select_gather,
+                grid,
+                [
+                    self.ptr(&logits.buf),
+                    n as i32,
+                    hist,
+                    limit as i32,
+                    cand.ptr,
+                    counts
+                ]
+            )?;
+            return launch!(
+                self,
+                sample_select_merge,
+                cfg((1, 1), 1024, 0),
+                [
+                    self.ptr(&logits.buf),
+                    n as i32,
+                    cand.ptr,
+                    counts,
+                    hist,
                     limit as i32,
                     p.temperature,
                     p.top_p,

@@ -647,17 +647,17 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
 // (at most SAMPLE_MAX_CAND). The draw is `u`, or *u_at where u_at is not null; with `params` not
 // null the sample ends a chained decode step (finish_chained_step into `host_out`), `out` then
 // the kernel's scratch.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_top_merge(const u64* range_top, int count, int limit, float temperature, float top_p, float min_p,
-                     double u, const double* u_at, int* out, int* params, int* host_out) {
-    __shared__ u64 cand[SAMPLE_MAX_CAND];  // 32 KiB
-    grid_dep();
-    if (u_at) u = *u_at;
+// The host's choice among the best `limit` of `count` (at most SAMPLE_MAX_CAND) distinct packed
+// keys (0: none), in any order: they are copied into `cand` (shared memory), the best K =
+// min(limit, keys not 0) selected and sorted (or all sorted, for a K above SAMPLE_SELECT_MAX),
+// and choose_among follows. Every thread of the block calls it.
+__device__ __forceinline__ void merge_and_choose(const u64* keys, int count, int limit, float temperature,
+                                                 float top_p, float min_p, double u, int* out, u64* cand) {
     int P = 1;
     while (P < count) P <<= 1;
     int valid = 0;
     for (int i = threadIdx.x; i < P; i += blockDim.x) {
-        cand[i] = i < count ? range_top[i] : 0;
+        cand[i] = i < count ? keys[i] : 0;
         valid += cand[i] != 0;
     }
     valid = block_reduce(valid, [](int a, int b) { return a + b; });
@@ -676,6 +676,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     }
     if (K == 0) sample_done(out, 0, 0);  // every logit NaN
     else choose_among(chosen, K, temperature, top_p, min_p, u, out);
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_top_merge(const u64* range_top, int count, int limit, float temperature, float top_p, float min_p,
+                     double u, const double* u_at, int* out, int* params, int* host_out) {
+    __shared__ u64 cand[SAMPLE_MAX_CAND];  // 32 KiB
+    grid_dep();
+    if (u_at) u = *u_at;
+    merge_and_choose(range_top, count, limit, temperature, top_p, min_p, u, out, cand);
     __syncthreads();
     if (params && threadIdx.x == 0) finish_chained_step(params, host_out, out[0], out[1]);
 }
@@ -688,7 +697,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // largest first, reach need = ceil(top_p Z): a radix select by weight rather than by count, in
 // three digits of 11, 11 and 10 bits from the top. The launches, each on sample_row_max's grid:
 //   sample_row_max        the range maxima (and the penalties, as for the whole row);
-//   sample_nucleus_mass   once a digit: the weights of the keys that match the boundary's digits
+//   sample_select_pass    once a digit: the weights of the keys that match the boundary's digits
 //                         found so far, summed by their next digit into hist[digit] (integer
 //                         atomics: the same sums in any order);
 //   sample_nucleus_draw   the boundary key k, the weight of the keys above it; each range's
@@ -710,14 +719,16 @@ __device__ __forceinline__ u64 fixed_weight(float v, float m, float temperature)
 
 // What the mass histograms of digits [0, digits) say about the nucleus' boundary key: its digits
 // (`prefix`, under `mask`), the weight of the keys above those digits (`above`), and `need`
-// (0 when the row has no finite weight, or digits = 0). Each digit's bins are scanned from the
+// (0 when the row has no finite weight, or digits = 0). With k > 0 the histograms count keys
+// (sample_select_pass for a top-k) and the boundary is the k-th largest key (need = min(k, the
+// valid keys)). Each digit's bins are scanned from the
 // top by the block, eight (or four) a thread; every thread gets the result. Launch with
 // SAMPLE_ROW_THREADS threads.
 struct NucleusBoundary {
     u32 prefix, mask;
     u64 above, need;
 };
-__device__ __forceinline__ NucleusBoundary nucleus_boundary(const u64* hist, int digits, float top_p) {
+__device__ __forceinline__ NucleusBoundary nucleus_boundary(const u64* hist, int digits, float top_p, int k = 0) {
     __shared__ NucleusBoundary sh;
     const int tid = threadIdx.x;
     // Every digit's bins are loaded at once (they do not depend on the digits before).
@@ -735,7 +746,8 @@ __device__ __forceinline__ NucleusBoundary nucleus_boundary(const u64* hist, int
 #pragma unroll
         for (int j = 0; j < 8; ++j) z += mine[0][j];
         z = block_reduce(z, [](u64 a, u64 b) { return a + b; });
-        if (z > 0) nb.need = min(max((u64)ceil((double)top_p * (double)z), 1ull), z);
+        if (k > 0) nb.need = min((u64)k, z);  // counts: the k-th largest key
+        else if (z > 0) nb.need = min(max((u64)ceil((double)top_p * (double)z), 1ull), z);
     }
 #pragma unroll
     for (int d = 0; d < NUCLEUS_DIGITS; ++d) {
@@ -766,25 +778,30 @@ __device__ __forceinline__ NucleusBoundary nucleus_boundary(const u64* hist, int
     return nb;
 }
 
-// Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks after
-// sample_row_max (and the passes of lower digits); `hist` zero before digit 0.
+// Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks, once a digit;
+// `hist` zero before digit 0. For the nucleus (k = 0) after sample_row_max, the keys weighed by
+// fixed_weight; for a top-k (k > 0, range_max unused) the keys counted, and digit 0's pass
+// applies the penalties of its range first.
 extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
-    sample_nucleus_mass(const float* logits, int n, const float* range_max, float temperature, float top_p,
-                        int digit, u64* hist) {
+    sample_select_pass(float* logits, int n, const u32* pen_ids, const float* pen_amount, int n_pen,
+                       const float* range_max, float temperature, float top_p, int k, int digit, u64* hist) {
     __shared__ u64 bins[NUCLEUS_BINS];  // 16 KiB
     grid_dep();
+    const Range range = block_range(n);
+    if (n_pen > 0) penalise_range(logits, range, pen_ids, pen_amount, n_pen);
     float v[SAMPLE_ROW_PER_THREAD];
-    load_range(logits, block_range(n), v);
+    load_range(logits, range, v);
     for (int b = threadIdx.x; b < NUCLEUS_BINS; b += blockDim.x) bins[b] = 0;
-    const float m = max_of_ranges(range_max);  // (its barriers order the zeroing)
-    const NucleusBoundary nb = nucleus_boundary(hist, digit, top_p);
+    const float m = k > 0 ? 0.f : max_of_ranges(range_max);
+    __syncthreads();  // the zeroed bins
+    const NucleusBoundary nb = nucleus_boundary(hist, digit, top_p, k);
     const int shift = nucleus_shift(digit);
     const u32 digit_mask = (1u << nucleus_width(digit)) - 1u;
 #pragma unroll
     for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
         const u32 key = ordered_bits(v[j]);
         if (v[j] == v[j] && (key & nb.mask) == nb.prefix) {
-            const u64 w = fixed_weight(v[j], m, temperature);
+            const u64 w = k > 0 ? 1ull : fixed_weight(v[j], m, temperature);
             if (w) atomicAdd(&bins[(key >> shift) & digit_mask], w);
         }
     }
@@ -793,7 +810,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
         if (bins[b]) atomicAdd(&hist[digit * NUCLEUS_BINS + b], bins[b]);
 }
 
-// Launch as sample_nucleus_mass, after its passes; `ticket` zero (the last block leaves it and
+// Launch as sample_select_pass, after its passes for the nucleus; `ticket` zero (the last block leaves it and
 // `hist` so). The draw is `u`, or *u_at where u_at is not null; with `params` not null the
 // sample ends a chained decode step (finish_chained_step into `host_out`), `out` then the
 // kernel's scratch.
@@ -877,4 +894,64 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     }
     __syncthreads();
     if (params && tid == 0) finish_chained_step(params, host_out, out[0], out[1]);
+}
+
+// A top-k above the small top-k grid's (up to SAMPLE_MAX_CAND) on a grid: the same passes count
+// the keys (sample_select_pass with k), which finds the k-th largest key b, then
+//   sample_select_gather  every block copies its keys above b and, if they and every key equal to
+//                         b fit SAMPLE_MAX_CAND, its keys equal to b into `cand` (packed, in any
+//                         order: the merge sorts them); counts[0] counts them, counts[1] = 1 says
+//                         they did not fit;
+//   sample_select_merge   one block of SAMPLE_THREADS: the best min(k, valid) of `cand` are the
+//                         host's candidates (its ties to the lower id are the larger packed keys),
+//                         merge_and_choose chooses; where the keys equal to b did not fit (a row
+//                         of many equal logits), the one block's path over the row instead
+//                         (sample_candidates). It leaves `hist` and `counts` zero.
+// Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks.
+extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
+    sample_select_gather(const float* logits, int n, const u64* hist, int k, u64* cand, u32* counts) {
+    grid_dep();
+    const Range range = block_range(n);
+    float v[SAMPLE_ROW_PER_THREAD];
+    load_range(logits, range, v);
+    const NucleusBoundary nb = nucleus_boundary(hist, NUCLEUS_DIGITS, 1.f, k);
+    const u32 bound = nb.prefix;
+    // The last digit's bin of b counts the keys equal to it.
+    const u64 ties = nb.need > 0 ? hist[(NUCLEUS_DIGITS - 1) * NUCLEUS_BINS + (bound & 1023u)] : 0;
+    const bool fits = nb.above + ties <= (u64)SAMPLE_MAX_CAND;
+    if (!fits) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) counts[1] = 1;
+        return;
+    }
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
+        const bool in = nb.need > 0 && v[j] == v[j] && ordered_bits(v[j]) >= bound;
+        const unsigned ballot = __ballot_sync(FULL_MASK, in);
+        if (!ballot) continue;
+        u32 base = 0;  // one atomic a warp for its keys, each lane's place by its rank among them
+        if (lane == __ffs(ballot) - 1) base = atomicAdd(&counts[0], (u32)__popc(ballot));
+        base = __shfl_sync(FULL_MASK, base, __ffs(ballot) - 1);
+        if (in) cand[base + __popc(ballot & ((1u << lane) - 1u))] = pack_max(v[j], range.lo + j * SAMPLE_ROW_THREADS + (int)threadIdx.x);
+    }
+}
+
+// Launch with one block of SAMPLE_THREADS threads after sample_select_gather; `limit` = min(k, n).
+// The draw is `u`, or *u_at where u_at is not null; with `params` not null the sample ends a
+// chained decode step (finish_chained_step into `host_out`), `out` then the kernel's scratch.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_select_merge(const float* logits, int n, const u64* cand, u32* counts, u64* hist, int limit,
+                        float temperature, float top_p, float min_p, double u, const double* u_at, int* out,
+                        int* params, int* host_out) {
+    __shared__ u64 shared_cand[SAMPLE_MAX_CAND];  // 32 KiB
+    grid_dep();
+    if (u_at) u = *u_at;
+    const u32 count = counts[0], spilled = counts[1];
+    for (int i = threadIdx.x; i < NUCLEUS_DIGITS * NUCLEUS_BINS; i += blockDim.x) hist[i] = 0;
+    __syncthreads();  // every thread has read `counts`
+    if (threadIdx.x == 0) counts[0] = counts[1] = 0;
+    if (spilled) sample_candidates(logits, n, temperature, limit, top_p, min_p, u, out, shared_cand);
+    else merge_and_choose(cand, (int)count, limit, temperature, top_p, min_p, u, out, shared_cand);
+    __syncthreads();
+    if (params && threadIdx.x == 0) finish_chained_step(params, host_out, out[0], out[1]);
 }
