@@ -10,7 +10,11 @@
 //               `sample_nucleus_draw`, at the end of this file);
 //   small top-k a top-k whose ranges' best fit SAMPLE_MAX_CAND candidates, on a grid of blocks
 //               (`sample_row_top`, `sample_top_merge`, below);
-//   every other choice on one block of SAMPLE_THREADS threads (`sample_token`), the row
+//   top-k       any other top-k up to SAMPLE_MAX_CAND: the k-th largest key by counting passes,
+//               the keys at or above it gathered, one block choosing (`sample_select_pass`,
+//               `sample_select_gather`, `sample_select_merge`, at the end of this file);
+//   every other choice (greedy with penalties, a top-k above SAMPLE_MAX_CAND, rows of 2^21 ids
+//               or more) on one block of SAMPLE_THREADS threads (`sample_token`), the row
 //               (248,320 floats, 1 MB) in L2 between its passes; one SM's pass over the row is
 //               bound by the loads it has in flight, so every pass issues SAMPLE_UNROLL loads a
 //               thread before it uses any, and reads coalesced: strided over the block, or,
