@@ -669,7 +669,7 @@ struct ChainBuffers {
     row_ticket: CudaSlice<u32>,
     /// `sample_select_pass`'s weight sums or counts, 2,048 bins for each of its three digits
     /// (zero between samples).
-    nucleus_hist: CudaSlice<u64>,
+    select_hist: CudaSlice<u64>,
     /// `sample_select_gather`'s count of candidates and its overflow flag (zero between
     /// samples).
     select_counts: CudaSlice<u32>,
@@ -1169,7 +1169,7 @@ impl CudaBackend {
             key: zeroed(&dev, 1)?,
             ticket: zeroed(&dev, 1)?,
             row_ticket: zeroed(&dev, 1)?,
-            nucleus_hist: zeroed(&dev, 3 * 2048)?,
+            select_hist: zeroed(&dev, 3 * 2048)?,
             select_counts: zeroed(&dev, 2)?,
             draw: zeroed(&dev, 1)?,
             sample_out: zeroed(&dev, 2)?,
@@ -3935,7 +3935,7 @@ impl CudaBackend {
         let ranges = n.div_ceil(2048);
         let kb = limit.min(2048);
         let grid = cfg((ranges as u32, 1), 256, 0);
-        let hist = self.ptr(&self.chain.nucleus_hist);
+        let hist = self.ptr(&self.chain.select_hist);
         // The select passes over the row: weights for the nucleus (k 0), counts for a top-k.
         let select_passes = |range_max: u64, k: usize| -> Result<()> {
             for digit in 0..3i32 {

@@ -6,7 +6,7 @@
 //               exp((l - max) / T), zero below the min-p cutoff, on a grid of blocks
 //               (`sample_row_max`, `sample_row_weights`, below);
 //   top-p       over the whole row (no top-k below it), the nucleus by a radix select on the
-//               weights in fixed point, on a grid of blocks (`sample_nucleus_mass`,
+//               weights in fixed point, on a grid of blocks (`sample_select_pass`,
 //               `sample_nucleus_draw`, at the end of this file);
 //   small top-k a top-k whose ranges' best fit SAMPLE_MAX_CAND candidates, on a grid of blocks
 //               (`sample_row_top`, `sample_top_merge`, below);
@@ -711,11 +711,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 //                         members' weight S, and finds the member whose interval, in id order,
 //                         holds t (find_interval, for the range, then for the id); it leaves
 //                         `hist` and `ticket` zero for the next sample.
-constexpr int NUCLEUS_DIGITS = 3;
-constexpr int NUCLEUS_BINS = 2048;  // the widest digit's; hist holds NUCLEUS_DIGITS x NUCLEUS_BINS
+constexpr int SELECT_DIGITS = 3;
+constexpr int SELECT_BINS = 2048;  // the widest digit's; hist holds SELECT_DIGITS x SELECT_BINS
 
-__device__ __forceinline__ int nucleus_width(int digit) { return digit < 2 ? 11 : 10; }
-__device__ __forceinline__ int nucleus_shift(int digit) { return digit == 0 ? 21 : digit == 1 ? 10 : 0; }
+__device__ __forceinline__ int select_width(int digit) { return digit < 2 ? 11 : 10; }
+__device__ __forceinline__ int select_shift(int digit) { return digit == 0 ? 21 : digit == 1 ? 10 : 0; }
 
 __device__ __forceinline__ u64 fixed_weight(float v, float m, float temperature) {
     return (u64)(expf((v - m) / temperature) * 4294967296.f);  // truncates; NaN gives 0
@@ -728,23 +728,23 @@ __device__ __forceinline__ u64 fixed_weight(float v, float m, float temperature)
 // valid keys)). Each digit's bins are scanned from the
 // top by the block, eight (or four) a thread; every thread gets the result. Launch with
 // SAMPLE_ROW_THREADS threads.
-struct NucleusBoundary {
+struct SelectBoundary {
     u32 prefix, mask;
     u64 above, need;
 };
-__device__ __forceinline__ NucleusBoundary nucleus_boundary(const u64* hist, int digits, float top_p, int k = 0) {
-    __shared__ NucleusBoundary sh;
+__device__ __forceinline__ SelectBoundary select_boundary(const u64* hist, int digits, float top_p, int k = 0) {
+    __shared__ SelectBoundary sh;
     const int tid = threadIdx.x;
     // Every digit's bins are loaded at once (they do not depend on the digits before).
-    u64 mine[NUCLEUS_DIGITS][8];
+    u64 mine[SELECT_DIGITS][8];
 #pragma unroll
-    for (int d = 0; d < NUCLEUS_DIGITS; ++d) {
-        const int bins = 1 << nucleus_width(d), per = bins / (int)blockDim.x;
+    for (int d = 0; d < SELECT_DIGITS; ++d) {
+        const int bins = 1 << select_width(d), per = bins / (int)blockDim.x;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-            mine[d][j] = d < digits && j < per ? hist[d * NUCLEUS_BINS + bins - 1 - (tid * per + j)] : 0;
+            mine[d][j] = d < digits && j < per ? hist[d * SELECT_BINS + bins - 1 - (tid * per + j)] : 0;
     }
-    NucleusBoundary nb = {0u, 0u, 0ull, 0ull};
+    SelectBoundary nb = {0u, 0u, 0ull, 0ull};
     if (digits > 0) {  // Z: digit 0's bins hold every weight
         u64 z = 0;
 #pragma unroll
@@ -754,9 +754,9 @@ __device__ __forceinline__ NucleusBoundary nucleus_boundary(const u64* hist, int
         else if (z > 0) nb.need = min(max((u64)ceil((double)top_p * (double)z), 1ull), z);
     }
 #pragma unroll
-    for (int d = 0; d < NUCLEUS_DIGITS; ++d) {
+    for (int d = 0; d < SELECT_DIGITS; ++d) {
         if (d >= digits || nb.need == 0) break;
-        const int bins = 1 << nucleus_width(d), per = bins / (int)blockDim.x, shift = nucleus_shift(d);
+        const int bins = 1 << select_width(d), per = bins / (int)blockDim.x, shift = select_shift(d);
         u64 sum = 0;
 #pragma unroll
         for (int j = 0; j < 8; ++j) sum += mine[d][j];
@@ -789,18 +789,18 @@ __device__ __forceinline__ NucleusBoundary nucleus_boundary(const u64* hist, int
 extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     sample_select_pass(float* logits, int n, const u32* pen_ids, const float* pen_amount, int n_pen,
                        const float* range_max, float temperature, float top_p, int k, int digit, u64* hist) {
-    __shared__ u64 bins[NUCLEUS_BINS];  // 16 KiB
+    __shared__ u64 bins[SELECT_BINS];  // 16 KiB
     grid_dep();
     const Range range = block_range(n);
     if (n_pen > 0) penalise_range(logits, range, pen_ids, pen_amount, n_pen);
     float v[SAMPLE_ROW_PER_THREAD];
     load_range(logits, range, v);
-    for (int b = threadIdx.x; b < NUCLEUS_BINS; b += blockDim.x) bins[b] = 0;
+    for (int b = threadIdx.x; b < SELECT_BINS; b += blockDim.x) bins[b] = 0;
     const float m = k > 0 ? 0.f : max_of_ranges(range_max);
     __syncthreads();  // the zeroed bins
-    const NucleusBoundary nb = nucleus_boundary(hist, digit, top_p, k);
-    const int shift = nucleus_shift(digit);
-    const u32 digit_mask = (1u << nucleus_width(digit)) - 1u;
+    const SelectBoundary nb = select_boundary(hist, digit, top_p, k);
+    const int shift = select_shift(digit);
+    const u32 digit_mask = (1u << select_width(digit)) - 1u;
 #pragma unroll
     for (int j = 0; j < SAMPLE_ROW_PER_THREAD; ++j) {
         const u32 key = ordered_bits(v[j]);
@@ -811,13 +811,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     }
     __syncthreads();
     for (int b = threadIdx.x; b <= (int)digit_mask; b += blockDim.x)
-        if (bins[b]) atomicAdd(&hist[digit * NUCLEUS_BINS + b], bins[b]);
+        if (bins[b]) atomicAdd(&hist[digit * SELECT_BINS + b], bins[b]);
 }
 
-// Launch as sample_select_pass, after its passes for the nucleus; `ticket` zero (the last block leaves it and
-// `hist` so). The draw is `u`, or *u_at where u_at is not null; with `params` not null the
-// sample ends a chained decode step (finish_chained_step into `host_out`), `out` then the
-// kernel's scratch.
+// Launch as sample_select_pass, after its passes for the nucleus; `ticket` zero (the last block
+// leaves it and `hist` so). The draw is `u`, or *u_at where u_at is not null; with `params` not
+// null the sample ends a chained decode step (finish_chained_step into `host_out`), `out` then
+// the kernel's scratch.
 extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     sample_nucleus_draw(const float* logits, int n, const float* range_max, float temperature, float top_p,
                         float min_p, u64* hist, double u, const double* u_at, u64* range_mass, u32* range_ties,
@@ -828,7 +828,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     load_range(logits, block_range(n), v);
     const float m = max_of_ranges(range_max);
     const float cutoff = min_p_cutoff(m, temperature, min_p);
-    const NucleusBoundary nb = nucleus_boundary(hist, NUCLEUS_DIGITS, top_p);
+    const SelectBoundary nb = select_boundary(hist, SELECT_DIGITS, top_p);
     const u32 bound = nb.prefix;  // every digit known: the boundary key itself
     const float bound_v = from_ordered_bits(bound);
     // Its keys' weight (the same for each); the fewest of them that reach `need` belong.
@@ -857,7 +857,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     }
     // The last block: every block has read `hist` and written its range's sums.
     if (u_at) u = *u_at;
-    for (int i = tid; i < NUCLEUS_DIGITS * NUCLEUS_BINS; i += blockDim.x) hist[i] = 0;
+    for (int i = tid; i < SELECT_DIGITS * SELECT_BINS; i += blockDim.x) hist[i] = 0;
     const volatile u64* mass = range_mass;
     const volatile u32* ties = range_ties;
     // The member ties (the first ties_in in id order) end in range last_r, `last_n` of its own.
@@ -918,10 +918,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
     const Range range = block_range(n);
     float v[SAMPLE_ROW_PER_THREAD];
     load_range(logits, range, v);
-    const NucleusBoundary nb = nucleus_boundary(hist, NUCLEUS_DIGITS, 1.f, k);
+    const SelectBoundary nb = select_boundary(hist, SELECT_DIGITS, 1.f, k);
     const u32 bound = nb.prefix;
     // The last digit's bin of b counts the keys equal to it.
-    const u64 ties = nb.need > 0 ? hist[(NUCLEUS_DIGITS - 1) * NUCLEUS_BINS + (bound & 1023u)] : 0;
+    const u64 ties = nb.need > 0 ? hist[(SELECT_DIGITS - 1) * SELECT_BINS + (bound & 1023u)] : 0;
     const bool fits = nb.above + ties <= (u64)SAMPLE_MAX_CAND;
     if (!fits) {
         if (blockIdx.x == 0 && threadIdx.x == 0) counts[1] = 1;
@@ -936,7 +936,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
         u32 base = 0;  // one atomic a warp for its keys, each lane's place by its rank among them
         if (lane == __ffs(ballot) - 1) base = atomicAdd(&counts[0], (u32)__popc(ballot));
         base = __shfl_sync(FULL_MASK, base, __ffs(ballot) - 1);
-        if (in) cand[base + __popc(ballot & ((1u << lane) - 1u))] = pack_max(v[j], range.lo + j * SAMPLE_ROW_THREADS + (int)threadIdx.x);
+        const int id = range.lo + j * SAMPLE_ROW_THREADS + (int)threadIdx.x;
+        if (in) cand[base + __popc(ballot & ((1u << lane) - 1u))] = pack_max(v[j], id);
     }
 }
 
@@ -951,7 +952,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     grid_dep();
     if (u_at) u = *u_at;
     const u32 count = counts[0], spilled = counts[1];
-    for (int i = threadIdx.x; i < NUCLEUS_DIGITS * NUCLEUS_BINS; i += blockDim.x) hist[i] = 0;
+    for (int i = threadIdx.x; i < SELECT_DIGITS * SELECT_BINS; i += blockDim.x) hist[i] = 0;
     __syncthreads();  // every thread has read `counts`
     if (threadIdx.x == 0) counts[0] = counts[1] = 0;
     if (spilled) sample_candidates(logits, n, temperature, limit, top_p, min_p, u, out, shared_cand);
