@@ -59,6 +59,14 @@ pub struct BenchArgs {
     /// Drop tokens below this fraction of the most likely one's probability (0: off).
     #[arg(long, default_value_t = 0.0)]
     pub min_p: f32,
+    /// Subtracted once from the logit of each token generated so far, as the API's
+    /// `presence_penalty` (0: off). Penalised steps are not chained (their counts are on the
+    /// host).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// Subtracted per generation of each token so far, as the API's `frequency_penalty` (0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
     /// The sampler's seed, so that runs draw the same tokens.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -81,13 +89,22 @@ impl BenchArgs {
             "--min-p must be at least 0 and below 1, got {}",
             self.min_p
         );
+        for (flag, v) in [
+            ("--presence-penalty", self.presence_penalty),
+            ("--frequency-penalty", self.frequency_penalty),
+        ] {
+            anyhow::ensure!(
+                v.is_finite() && (-2.0..=2.0).contains(&v),
+                "{flag} must be between -2 and 2, got {v}"
+            );
+        }
         Ok(SamplingParams {
             temperature: self.temperature,
             top_p: self.top_p,
             top_k: self.top_k,
             min_p: self.min_p,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             seed: Some(self.seed),
         })
     }
@@ -152,6 +169,8 @@ fn bench_on<B: engine::backend::Backend>(
     // is on the host, then `decode_steps` more, each timed from the token before it.
     let mut sampler = Sampler::new(sampling.clone());
     let chained = eng.chains_decode(&sampler);
+    // Greedy without penalties: the contract's default, reported as "greedy".
+    let plain_greedy = sampling.is_greedy() && !sampling.has_penalties();
     let mut state = eng.new_state(max_seq)?;
     let mut arrivals = Vec::with_capacity(a.decode_steps + 1);
     let g = eng.generate(
@@ -238,7 +257,7 @@ fn bench_on<B: engine::backend::Backend>(
             "decode_mode": if chained { "chained" } else { "sequential" },
             "max_seq": max_seq,
             "without_kernel": a.without_kernel,
-            "sampling": if sampling.is_greedy() {
+            "sampling": if plain_greedy {
                 json!("greedy")
             } else {
                 json!({
@@ -246,6 +265,8 @@ fn bench_on<B: engine::backend::Backend>(
                     "top_p": sampling.top_p,
                     "top_k": sampling.top_k,
                     "min_p": sampling.min_p,
+                    "presence_penalty": sampling.presence_penalty,
+                    "frequency_penalty": sampling.frequency_penalty,
                     "seed": a.seed,
                 })
             },
@@ -279,12 +300,23 @@ fn bench_on<B: engine::backend::Backend>(
         prefill_secs,
         a.decode_steps as f64 / decode_secs,
         a.decode_steps,
-        if sampling.is_greedy() {
+        if plain_greedy {
             String::new()
         } else {
             format!(
-                " (sampled: temperature {}, top-p {}, top-k {}, min-p {})",
-                sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p
+                " (sampled: temperature {}, top-p {}, top-k {}, min-p {}{})",
+                sampling.temperature,
+                sampling.top_p,
+                sampling.top_k,
+                sampling.min_p,
+                if sampling.has_penalties() {
+                    format!(
+                        ", presence penalty {}, frequency penalty {}",
+                        sampling.presence_penalty, sampling.frequency_penalty
+                    )
+                } else {
+                    String::new()
+                }
             )
         },
         fnv1a64(&tokens)
@@ -376,6 +408,8 @@ mod tests {
             top_p: 1.0,
             top_k: 0,
             min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed,
         }
     }
@@ -423,6 +457,29 @@ mod tests {
             .expect_err("negative temperature")
             .to_string();
         assert!(err.contains("--temperature"), "{err}");
+        let mut a = tiny_args(std::path::Path::new("unused.json"), 0.7, 0);
+        a.frequency_penalty = 2.5;
+        let err = run(a).expect_err("frequency penalty 2.5").to_string();
+        assert!(err.contains("--frequency-penalty"), "{err}");
+    }
+
+    #[test]
+    fn penalised_runs_step_one_token_at_a_time_and_say_so() {
+        let dir = std::env::temp_dir().join(format!("lily-bench-pen-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("pen.json");
+        let mut a = tiny_args(&path, 0.0, 0);
+        a.presence_penalty = 1.5;
+        run(a).expect("penalised bench");
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("report")).expect("json");
+        std::fs::remove_dir_all(&dir).ok();
+        let workload = &report["workload"];
+        assert_eq!(
+            workload["sampling"]["presence_penalty"],
+            serde_json::json!(1.5)
+        );
+        assert_eq!(workload["decode_mode"], serde_json::json!("sequential"));
     }
 
     #[test]
