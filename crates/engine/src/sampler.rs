@@ -346,14 +346,19 @@ fn fixed_weight(logit: f32, max: f32, temperature: f32) -> u64 {
 /// finite weight: the argmax then.
 fn sample_nucleus(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
     let max = valid_max(logits);
-    let weight = |l: f32| fixed_weight(l, max, p.temperature);
-    let mut valid = valid_logits(logits);
-    let z: u64 = valid.iter().map(|&(_, l)| weight(l)).sum();
+    // Each weight once (an exp a logit); NaN weighs 0.
+    let weights: Vec<u64> = logits
+        .iter()
+        .map(|&l| fixed_weight(l, max, p.temperature))
+        .collect();
+    let weight = |id: u32| weights[id as usize];
+    let z: u64 = weights.iter().sum();
     if z == 0 {
         return argmax(logits);
     }
     let need = ((p.top_p as f64 * z as f64).ceil() as u64).clamp(1, z);
     // The nucleus, from the best `k` in order, k growing until their weights reach `need`.
+    let mut valid = valid_logits(logits);
     let mut k = TOP_P_PREFILTER.min(valid.len());
     let members = loop {
         if k < valid.len() {
@@ -361,8 +366,8 @@ fn sample_nucleus(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
         }
         valid[..k].sort_by(best_first);
         let mut mass = 0u64;
-        let reached = valid[..k].iter().position(|&(_, l)| {
-            mass += weight(l);
+        let reached = valid[..k].iter().position(|&(id, _)| {
+            mass += weight(id);
             mass >= need
         });
         if let Some(last) = reached {
@@ -372,14 +377,14 @@ fn sample_nucleus(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
     };
     let cutoff = min_p_cutoff(p, max);
     members.sort_by_key(|&(id, _)| id);
-    let member_weight = |l: f32| if l >= cutoff { weight(l) } else { 0 };
-    let s: u64 = members.iter().map(|&(_, l)| member_weight(l)).sum();
+    let member_weight = |(id, l): (u32, f32)| if l >= cutoff { weight(id) } else { 0 };
+    let s: u64 = members.iter().map(|&m| member_weight(m)).sum();
     if s == 0 {
         return argmax(logits); // min-p above 1 (requests cannot ask for it)
     }
     let mut left = ((u * s as f64).floor() as u64).min(s - 1);
     for &(id, l) in members.iter() {
-        let w = member_weight(l);
+        let w = member_weight((id, l));
         if left < w {
             return id;
         }
