@@ -212,11 +212,7 @@ __device__ __forceinline__ int select_largest(const u64* keys, int count, int k,
                 int bins[8], sum = 0;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) sum += bins[j] = hist[255 - (tid * 8 + j)];
-                int incl = sum;
-                for (int o = 1; o < 32; o <<= 1) {
-                    const int n = __shfl_up_sync(FULL_MASK, incl, o);
-                    if (tid >= o) incl += n;
-                }
+                const int incl = warp_inclusive_scan(sum);
                 int above = incl - sum;
                 if (above < need && need <= incl) {
                     for (int j = 0; j < 8; ++j) {
