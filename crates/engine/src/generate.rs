@@ -135,14 +135,11 @@ impl<B: Backend> Engine<B> {
         self.backend.argmax_row(logits)
     }
 
-    /// Whether `generate` chains its decode steps with `sampler`: the backend chains them, the
-    /// sampler needs no penalties (they count tokens the host has not read yet), and its choice
-    /// never needs the whole row (`SamplingParams::choice_is_bounded`).
+    /// Whether `generate` chains its decode steps with `sampler`: the backend chains them and
+    /// the choice never needs the whole row (`SamplingParams::choice_is_bounded`).
     pub fn chains_decode(&self, sampler: &Sampler) -> bool {
         let p = sampler.params();
-        !p.has_penalties()
-            && p.choice_is_bounded(self.model.cfg.vocab_size)
-            && self.backend.chains_decode(p)
+        p.choice_is_bounded(self.model.cfg.vocab_size) && self.backend.chains_decode(p)
     }
 
     /// Queues a chained decode step feeding `input` that chooses the next token with

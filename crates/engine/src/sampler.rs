@@ -57,6 +57,11 @@ impl SamplingParams {
     pub fn has_penalties(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
+    /// What the penalties subtract from the logit of a token generated `count` times (in f32,
+    /// the product rounded before the sum: a device computes it the same way).
+    pub fn penalty(&self, count: u32) -> f32 {
+        self.presence_penalty + self.frequency_penalty * count as f32
+    }
     /// Whether `choose` decides, whatever the row, by passes over it or from its
     /// `TOP_P_PREFILTER` best candidates: greedy, the whole vocabulary (with top-p or
     /// without), or a top-k of at most `TOP_P_PREFILTER`. A top-k between those can need more
@@ -84,6 +89,8 @@ pub struct Sampler {
     rng: StdRng,
     /// How often each token was generated so far (for the penalties).
     counts: HashMap<u32, u32>,
+    /// `counts` by id, for a chained step's `DeviceSampling::generated`.
+    generated: Vec<(u32, u32)>,
 }
 
 impl Sampler {
@@ -96,6 +103,7 @@ impl Sampler {
             params,
             rng,
             counts: HashMap::new(),
+            generated: Vec::new(),
         }
     }
 
@@ -125,13 +133,14 @@ impl Sampler {
                 params: &self.params,
                 u,
                 penalties: &penalties,
+                generated: &[],
             };
             match backend.sample(logits, &request)? {
                 DeviceSample::Chosen(token) => token,
                 DeviceSample::RowNeeded { penalised } => {
                     let row = backend.download(logits)?;
                     let still_to_apply: &[(u32, f32)] = if penalised { &[] } else { &penalties };
-                    sample_with(&self.params, &row, u, still_to_apply)
+                    choose_penalised(&self.params, &row, u, still_to_apply)
                 }
             }
         } else {
@@ -142,14 +151,21 @@ impl Sampler {
     }
 
     /// What a chained decode step chooses with on the device (`Backend::queue_decode_step`):
-    /// the parameters and the next token's draw. Penalties are never chained (they count the
-    /// tokens, which the host has not read yet); `accept` each token once it is read.
+    /// the parameters, the next token's draw, and with penalties the counts so far (the device
+    /// counts the tokens it chooses after that); `accept` each token once it is read.
     pub fn device_choice(&mut self) -> DeviceSampling<'_> {
         let u = self.draw();
+        self.generated.clear();
+        if self.params.has_penalties() {
+            self.generated
+                .extend(self.counts.iter().map(|(&t, &n)| (t, n)));
+            self.generated.sort_unstable();
+        }
         DeviceSampling {
             params: &self.params,
             u,
             penalties: &[],
+            generated: &self.generated,
         }
     }
 
@@ -175,7 +191,7 @@ impl Sampler {
         let mut out: Vec<(u32, f32)> = self
             .counts
             .iter()
-            .map(|(&tok, &n)| (tok, p.presence_penalty + p.frequency_penalty * n as f32))
+            .map(|(&tok, &n)| (tok, p.penalty(n)))
             .collect();
         out.sort_unstable_by_key(|&(tok, _)| tok);
         out
@@ -184,12 +200,18 @@ impl Sampler {
     /// Chooses the next token from one logits row (drawing from the generator).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let u = self.draw();
-        sample_with(&self.params, logits, u, &self.penalties())
+        choose_penalised(&self.params, logits, u, &self.penalties())
     }
 }
 
-/// `choose` on the row with `penalties` subtracted first (none when the row has them already).
-fn sample_with(p: &SamplingParams, logits: &[f32], u: f64, penalties: &[(u32, f32)]) -> u32 {
+/// `choose` on the row with `penalties` (id, amount) subtracted first (none when the row has
+/// them already).
+pub fn choose_penalised(
+    p: &SamplingParams,
+    logits: &[f32],
+    u: f64,
+    penalties: &[(u32, f32)],
+) -> u32 {
     if penalties.is_empty() {
         return choose(p, logits, u);
     }

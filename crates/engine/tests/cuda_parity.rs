@@ -457,6 +457,7 @@ fn sampling_matches_the_host_sampler() {
                     params: p,
                     u,
                     penalties: &c.penalties,
+                    generated: &[],
                 };
                 let what = format!("{name} row, {p:?}, u {u}");
                 match gpu.sample(&t, &req).expect("gpu sample") {

@@ -342,6 +342,31 @@ fn chained_decode_matches_stepwise_decode<B: Backend>(
             seed: Some(8),
             ..Default::default()
         },
+        // Penalties, counted on the device. Random weights seldom repeat a token, so a negative
+        // presence penalty (past the API's -2) draws the generated tokens back and a frequency
+        // penalty then pushes each away after a few repeats: the counts decide every choice.
+        SamplingParams {
+            presence_penalty: -30.0,
+            frequency_penalty: 8.0,
+            ..SamplingParams::greedy()
+        },
+        SamplingParams {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 0.8,
+            presence_penalty: -30.0,
+            frequency_penalty: 9.0,
+            seed: Some(9),
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.5,
+            top_p: 0.9,
+            presence_penalty: -20.0,
+            frequency_penalty: 6.0,
+            seed: Some(10),
+            ..Default::default()
+        },
     ];
     let capacity = prompt.len() + max_tokens + 1;
     for p in params {
@@ -368,6 +393,10 @@ fn chained_decode_matches_stepwise_decode<B: Backend>(
             want.push(stepwise.pick(&eng.backend, &logits).expect("pick"));
         }
         assert_eq!(g.tokens, want, "{p:?}");
+        if p.has_penalties() {
+            let distinct: std::collections::HashSet<_> = g.tokens.iter().collect();
+            assert!(distinct.len() < g.tokens.len(), "{p:?}: no token repeated");
+        }
         assert_eq!(g.decode_fed, max_tokens - 1, "the last token is not fed");
         assert_eq!(sa.pos, sb.pos);
 

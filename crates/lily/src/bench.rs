@@ -60,8 +60,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0.0)]
     pub min_p: f32,
     /// Subtracted once from the logit of each token generated so far, as the API's
-    /// `presence_penalty` (0: off). Penalised steps are not chained (their counts are on the
-    /// host).
+    /// `presence_penalty` (0: off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
     /// Subtracted per generation of each token so far, as the API's `frequency_penalty` (0: off).
@@ -464,7 +463,7 @@ mod tests {
     }
 
     #[test]
-    fn penalised_runs_step_one_token_at_a_time_and_say_so() {
+    fn penalised_runs_report_their_penalties_and_decode_mode() {
         let dir = std::env::temp_dir().join(format!("lily-bench-pen-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join("pen.json");
@@ -479,6 +478,7 @@ mod tests {
             workload["sampling"]["presence_penalty"],
             serde_json::json!(1.5)
         );
+        // The CPU backend never chains its steps (a GPU chains penalised ones too).
         assert_eq!(workload["decode_mode"], serde_json::json!("sequential"));
     }
 

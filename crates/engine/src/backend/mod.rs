@@ -59,14 +59,18 @@ pub struct KernelCost {
     pub weight_bytes: u64,
 }
 
-/// One sampled token asked of the backend (`Backend::sample`): the request's parameters and
-/// the draw in [0, 1) the host took from its seeded generator, with what the penalties subtract
-/// from each generated token's logit (the parameters' own penalty fields are not read).
+/// One sampled token asked of the backend: the request's parameters and the draw in [0, 1) the
+/// host took from its seeded generator, with the penalties' inputs.
 #[derive(Clone, Debug)]
 pub struct DeviceSampling<'a> {
     pub params: &'a SamplingParams,
     pub u: f64,
+    /// For `Backend::sample`: what the penalties subtract from each generated token's logit
+    /// (the parameters' own penalty fields are not read).
     pub penalties: &'a [(u32, f32)],
+    /// For `Backend::queue_decode_step` with penalties: each token generated so far (the fed
+    /// token included) and how often, by id.
+    pub generated: &'a [(u32, u32)],
 }
 
 /// What `Backend::sample` did.
@@ -438,8 +442,9 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// Queues one decode step feeding `input` at `state.pos` that then chooses the next token
-    /// on the device as `choice` says (the host sampler's rule and draw, no penalties), and
-    /// returns without waiting for it: the host queues the next step, feeding
+    /// on the device as `choice` says (the host sampler's rule and draw; penalties from counts
+    /// the device keeps: `choice.generated` at a `StepInput::Host` step, then each chosen token
+    /// added), and returns without waiting for it: the host queues the next step, feeding
     /// `StepInput::Chosen`, before it reads this one's token. `forward(state, token)` runs the
     /// model graph on `token` (a backend recording the step passes any id: its recording reads
     /// the token on the device). Only for parameters `chains_decode` accepts; at most two steps

@@ -13,7 +13,7 @@ use super::{AttnShape, Backend, DeviceSampling, GdnShape, QueuedStep, StepForwar
 use crate::checkpoint::QWeight;
 use crate::error::{Error, Result};
 use crate::model::state::DecodeState;
-use crate::sampler::{SamplingParams, choose};
+use crate::sampler::{SamplingParams, choose_penalised};
 
 /// A row-major `[rows, cols]` f32 activation.
 #[derive(Clone, Debug)]
@@ -49,8 +49,18 @@ pub struct CpuRouting {
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     simd: Simd,
-    /// With `chaining`: the tokens the last two chained steps chose, by the position each fed.
-    chained: Option<std::sync::Mutex<Vec<(usize, u32)>>>,
+    /// With `chaining`: what the chained steps keep, as a device would.
+    chained: Option<std::sync::Mutex<Chain>>,
+}
+
+/// A chaining CPU backend's device-side state.
+#[derive(Default)]
+struct Chain {
+    /// The tokens the last two chained steps chose, by the position each fed.
+    chosen: Vec<(usize, u32)>,
+    /// With penalties: each generated token's count, from `DeviceSampling::generated` at a
+    /// `StepInput::Host` step, then each chosen token added.
+    generated: std::collections::BTreeMap<u32, u32>,
 }
 
 impl CpuBackend {
@@ -79,7 +89,7 @@ impl CpuBackend {
         })
     }
 
-    fn chain(&self) -> Result<std::sync::MutexGuard<'_, Vec<(usize, u32)>>> {
+    fn chain(&self) -> Result<std::sync::MutexGuard<'_, Chain>> {
         self.chained
             .as_ref()
             .ok_or_else(|| Error::Backend("this CPU backend does not chain decode steps".into()))?
@@ -125,7 +135,8 @@ impl Backend for CpuBackend {
     }
 
     fn chains_decode(&self, p: &SamplingParams) -> bool {
-        self.chained.is_some() && !p.has_penalties()
+        let _ = p;
+        self.chained.is_some()
     }
 
     fn queue_decode_step(
@@ -135,14 +146,16 @@ impl Backend for CpuBackend {
         choice: &DeviceSampling,
         forward: &mut StepForward<'_, Self>,
     ) -> Result<QueuedStep> {
-        let mut chosen = self.chain()?;
+        let mut chain = self.chain()?;
         let pos = state.pos;
         let token = match input {
             StepInput::Host(t) => {
-                chosen.clear();
+                chain.chosen.clear();
+                chain.generated = choice.generated.iter().copied().collect();
                 t
             }
-            StepInput::Chosen => chosen
+            StepInput::Chosen => chain
+                .chosen
                 .iter()
                 .find(|&&(p, _)| p + 1 == pos)
                 .map(|&(_, t)| t)
@@ -151,14 +164,29 @@ impl Backend for CpuBackend {
                 })?,
         };
         let logits = forward(state, token)?;
+        let p = choice.params;
+        let penalties: Vec<(u32, f32)> = if p.has_penalties() {
+            chain
+                .generated
+                .iter()
+                .map(|(&t, &n)| (t, p.penalty(n)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let next = choose_penalised(p, &logits.data, choice.u, &penalties);
+        if p.has_penalties() {
+            *chain.generated.entry(next).or_insert(0) += 1;
+        }
         // As on a GPU, a step's choice stays readable until two later steps are queued.
-        chosen.retain(|&(p, _)| p + 1 >= pos);
-        chosen.push((pos, choose(choice.params, &logits.data, choice.u)));
+        chain.chosen.retain(|&(p, _)| p + 1 >= pos);
+        chain.chosen.push((pos, next));
         Ok(QueuedStep { pos })
     }
 
     fn chosen_token(&self, step: QueuedStep) -> Result<u32> {
         self.chain()?
+            .chosen
             .iter()
             .find(|&&(p, _)| p == step.pos)
             .map(|&(_, t)| t)

@@ -494,6 +494,7 @@ impl Kernels {
                     select_gather: f("sample", "sample_select_gather")?,
                     select_merge: f("sample", "sample_select_merge")?,
                     nucleus_draw: f("sample", "sample_nucleus_draw")?,
+                    penalise_chained: f("sample", "sample_penalise_chained")?,
                 })
             },
             conv1d_silu: f("gdn", "conv1d_silu")?,
@@ -645,6 +646,7 @@ struct SampleKernels {
     select_gather: CudaFunction,
     select_merge: CudaFunction,
     nucleus_draw: CudaFunction,
+    penalise_chained: CudaFunction,
 }
 
 /// Where a sampler launch takes its penalties and draw and leaves its choice: the draw `u`, or
@@ -678,6 +680,18 @@ struct ChainBuffers {
     chosen: ChosenSlots,
     /// Recorded after each chained step, by the parity of its position.
     done: [CudaEvent; 2],
+    /// A penalised chain's counts of the generated tokens (allocated by its first step).
+    generated: Mutex<Option<GeneratedCounts>>,
+}
+
+/// The generated tokens' counts a penalised chain keeps on the device: `count_n` distinct ids in
+/// `ids`, their counts in `counts` (`sample_penalise_chained` counts each step's fed token,
+/// then subtracts the penalties). A chain of a state of `max_seq` positions generates at most
+/// that many tokens, so `ids.len() >= max_seq` holds every id it can count.
+struct GeneratedCounts {
+    ids: CudaSlice<u32>,
+    counts: CudaSlice<u32>,
+    count_n: CudaSlice<i32>,
 }
 
 /// Two `[token, status, position]` slots of mapped pinned host memory, by the parity of the
@@ -749,11 +763,12 @@ enum StepEnd<'a> {
 
 impl StepEnd<'_> {
     /// What a recording of this end depends on besides the state: the kind, and the sampling
-    /// parameters that are baked into the chooser's launch.
+    /// parameters that are baked into the chooser's launch (a penalised chain's counts'
+    /// buffers too: `run_step` adds them).
     fn key(&self) -> Vec<u64> {
         match self {
             StepEnd::Logits => vec![0],
-            StepEnd::Chosen(c) if c.params.is_greedy() => vec![1],
+            StepEnd::Chosen(c) if c.params.is_greedy() && !c.params.has_penalties() => vec![1],
             StepEnd::Chosen(c) => {
                 let p = c.params;
                 vec![
@@ -762,6 +777,8 @@ impl StepEnd<'_> {
                     p.top_k as u64,
                     p.top_p.to_bits() as u64,
                     p.min_p.to_bits() as u64,
+                    p.presence_penalty.to_bits() as u64,
+                    p.frequency_penalty.to_bits() as u64,
                 ]
             }
         }
@@ -1175,6 +1192,7 @@ impl CudaBackend {
             sample_out: zeroed(&dev, 2)?,
             chosen: ChosenSlots::new(&dev)?,
             done: [event()?, event()?],
+            generated: Mutex::new(None),
         };
         let sms = dev
             .ctx
@@ -3700,8 +3718,7 @@ impl Backend for CudaBackend {
         self.graphs
             && self.chains
             && !self.tracing.load(Ordering::Relaxed)
-            && !p.has_penalties()
-            && (p.is_greedy() || self.k.sample.is_some())
+            && ((p.is_greedy() && !p.has_penalties()) || self.k.sample.is_some())
     }
 
     fn queue_decode_step(
@@ -3711,9 +3728,16 @@ impl Backend for CudaBackend {
         choice: &DeviceSampling,
         forward: &mut StepForward<'_, Self>,
     ) -> Result<QueuedStep> {
-        if !self.chains_decode(choice.params) || !choice.penalties.is_empty() {
+        if !self.chains_decode(choice.params) {
             return Err(Error::Backend(
                 "these sampling parameters are not chained on this device".into(),
+            ));
+        }
+        if !choice.penalties.is_empty() {
+            return Err(Error::Backend(
+                "a chained step counts the generated tokens itself: it takes their counts \
+                 (`generated`), not the penalties' amounts"
+                    .into(),
             ));
         }
         let pos = state.pos;
@@ -3732,6 +3756,9 @@ impl Backend for CudaBackend {
             StepInput::Host(t) => Some(t),
             StepInput::Chosen => None,
         };
+        if choice.params.has_penalties() {
+            self.start_generated_counts(state.max_seq, token, choice.generated)?;
+        }
         // The recording's embedding reads the token from `params`: 0 stands in for it.
         let stand_in = token.unwrap_or(0);
         self.run_step(state, token, StepEnd::Chosen(choice), &mut |st| {
@@ -3782,6 +3809,11 @@ impl CudaBackend {
         let bucket = (pos + 1).next_power_of_two().max(1024).min(state.max_seq);
         let mut key = vec![bucket as u64];
         key.extend(end.key());
+        if let StepEnd::Chosen(c) = end
+            && c.params.has_penalties()
+        {
+            key.extend(self.generated_counts()?.0);
+        }
         for layer in state.layers.iter_mut() {
             match layer {
                 LayerState::Gdn(s) => key.extend([self.ptr(&s.window), self.ptr(&s.state)]),
@@ -3869,14 +3901,107 @@ impl CudaBackend {
         Err(Error::Backend("decode step could not be recorded".into()))
     }
 
+    /// Readies a penalised chain's counts on the device for a step of a state of `max_seq`
+    /// positions. At a step fed a host token (`token`) they become `generated` less that token's
+    /// one generation, which the step's `sample_penalise_chained` counts as it counts each fed
+    /// token; a step fed the previous step's choice continues them.
+    fn start_generated_counts(
+        &self,
+        max_seq: usize,
+        token: Option<u32>,
+        generated: &[(u32, u32)],
+    ) -> Result<()> {
+        let mut held = self.chain.generated.lock().map_err(|_| {
+            Error::Backend("the lock of the generated tokens' counts is poisoned".into())
+        })?;
+        if held.as_ref().is_none_or(|g| g.ids.len() < max_seq) {
+            if token.is_none() {
+                return Err(Error::Backend(
+                    "a penalised chain starts with a step fed a host token".into(),
+                ));
+            }
+            *held = Some(GeneratedCounts {
+                ids: self.alloc(max_seq)?,
+                counts: self.alloc(max_seq)?,
+                count_n: zeroed(&self.dev, 1)?,
+            });
+        }
+        let (Some(fed), Some(g)) = (token, held.as_ref()) else {
+            return Ok(());
+        };
+        let (mut ids, mut counts): (Vec<u32>, Vec<u32>) =
+            generated.iter().filter(|&&(_, n)| n > 0).copied().unzip();
+        if let Some(j) = ids.iter().position(|&id| id == fed) {
+            counts[j] -= 1;
+            if counts[j] == 0 {
+                ids.remove(j);
+                counts.remove(j);
+            }
+        }
+        if ids.len() >= g.ids.len() {
+            return Err(Error::invalid(format!(
+                "{} distinct generated tokens do not fit a state of {max_seq} positions",
+                ids.len() + 1
+            )));
+        }
+        if !ids.is_empty() {
+            self.upload_to(&g.ids, &ids)?;
+            self.upload_to(&g.counts, &counts)?;
+        }
+        self.upload_to(&g.count_n, &[ids.len() as i32])
+    }
+
+    /// The penalised chain's counts: the buffers' addresses (ids, counts, count_n) and the
+    /// capacity.
+    fn generated_counts(&self) -> Result<([u64; 3], usize)> {
+        let held = self.chain.generated.lock().map_err(|_| {
+            Error::Backend("the lock of the generated tokens' counts is poisoned".into())
+        })?;
+        let g = held.as_ref().ok_or_else(|| {
+            Error::Backend("a penalised chained step without the generated tokens' counts".into())
+        })?;
+        Ok((
+            [self.ptr(&g.ids), self.ptr(&g.counts), self.ptr(&g.count_n)],
+            g.ids.len(),
+        ))
+    }
+
     /// Records the choice that ends a chained step: the greedy argmax, or the sampler with the
-    /// draw uploaded before each replay; either writes the token and the next position into
-    /// `params` and the host's slot (kernels/common.cuh, `finish_chained_step`).
+    /// draw uploaded before each replay (the penalties first, from the counts the chain keeps);
+    /// either writes the token and the next position into `params` and the host's slot
+    /// (kernels/common.cuh, `finish_chained_step`).
     fn launch_chooser(&self, logits: &CudaTensor, choice: &DeviceSampling) -> Result<()> {
         plain!(self, logits);
         let (n, p) = (logits.cols, choice.params);
         let (params, host_out) = (self.ptr(&self.params), self.chain.chosen.device);
-        if p.is_greedy() {
+        let sample_kernels = || {
+            self.k
+                .sample
+                .as_ref()
+                .ok_or_else(|| Error::Backend("the device sampler is off".into()))
+        };
+        if p.has_penalties() {
+            let ([ids, counts, count_n], capacity) = self.generated_counts()?;
+            // (Named as the kernel, for the profile's label.)
+            let sample_penalise_chained = &sample_kernels()?.penalise_chained;
+            launch!(
+                self,
+                sample_penalise_chained,
+                cfg((1, 1), 1024, 0),
+                [
+                    self.ptr(&logits.buf),
+                    n as i32,
+                    params,
+                    ids,
+                    counts,
+                    count_n,
+                    capacity as i32,
+                    p.presence_penalty,
+                    p.frequency_penalty
+                ]
+            )?;
+        }
+        if p.is_greedy() && !p.has_penalties() {
             return launch!(
                 self,
                 self.k.step_argmax,
@@ -3891,11 +4016,8 @@ impl CudaBackend {
                 ]
             );
         }
-        let kernels = self
-            .k
-            .sample
-            .as_ref()
-            .ok_or_else(|| Error::Backend("the device sampler is off".into()))?;
+        let kernels = sample_kernels()?;
+        // The penalties, if any, are applied above.
         let io = SampleIo {
             penalties: (0, 0, 0),
             u: 0.0,
@@ -3911,10 +4033,10 @@ impl CudaBackend {
     /// ids where it can: the whole row at top-p 1 (`sample_row_max` then `sample_row_weights`),
     /// top-p over the whole row (`sample_row_max`, three `sample_select_pass` passes, then
     /// `sample_nucleus_draw`), a top-k whose ranges' best fit one block's candidates
-    /// (`sample_row_top` then `sample_top_merge`), any other top-k up to 4,096 (three
-    /// `sample_select_pass` passes counting, `sample_select_gather`, then one block's
-    /// `sample_select_merge`); every other choice (greedy with penalties, a top-k past 4,096) on
-    /// one block of SAMPLE_THREADS (1,024) threads (`sample_token`).
+    /// (`sample_row_top` then `sample_top_merge`; greedy with penalties as a top-k of 1), any
+    /// other top-k up to 4,096 (three `sample_select_pass` passes counting,
+    /// `sample_select_gather`, then one block's `sample_select_merge`); every other choice (a
+    /// top-k past 4,096) on one block of SAMPLE_THREADS (1,024) threads (`sample_token`).
     fn launch_sample(
         &self,
         k: &SampleKernels,
@@ -3923,7 +4045,9 @@ impl CudaBackend {
         io: &SampleIo,
     ) -> Result<()> {
         let n = logits.cols;
-        let limit = p.candidate_limit(n);
+        // Greedy (here only with penalties: without, the argmax decodes choose) is a top-k of 1.
+        let greedy = p.is_greedy();
+        let limit = if greedy { 1 } else { p.candidate_limit(n) };
         let (pen_ids, pen_amounts, n_pen) = io.penalties;
         // (Named as the kernels, for the profile's labels.)
         let (sample_row_max, sample_row_weights, sample_token) =
@@ -4037,7 +4161,7 @@ impl CudaBackend {
             );
         }
         // SAMPLE_MAX_CAND (4,096) keys in the merging block; such a top-k never widens.
-        if p.temperature > 0.0 && limit <= 4096 && kb * ranges <= 4096 {
+        if limit <= 4096 && kb * ranges <= 4096 {
             let range_top = self.tmp::<u64>(kb * ranges)?;
             launch!(
                 self,

@@ -8,20 +8,22 @@
 //   top-p       over the whole row (no top-k below it), the nucleus by a radix select on the
 //               weights in fixed point, on a grid of blocks (`sample_select_pass`,
 //               `sample_nucleus_draw`, at the end of this file);
-//   small top-k a top-k whose ranges' best fit SAMPLE_MAX_CAND candidates, on a grid of blocks
-//               (`sample_row_top`, `sample_top_merge`, below);
+//   small top-k a top-k whose ranges' best fit SAMPLE_MAX_CAND candidates, and greedy with
+//               penalties (the best one), on a grid of blocks (`sample_row_top`,
+//               `sample_top_merge`, below);
 //   top-k       any other top-k up to SAMPLE_MAX_CAND: the k-th largest key by counting passes,
 //               the keys at or above it gathered, one block choosing (`sample_select_pass`,
 //               `sample_select_gather`, `sample_select_merge`, at the end of this file);
-//   every other choice (greedy with penalties, a top-k above SAMPLE_MAX_CAND, rows of 2^21 ids
-//               or more) on one block of SAMPLE_THREADS threads (`sample_token`), the row
-//               (248,320 floats, 1 MB) in L2 between its passes; one SM's pass over the row is
-//               bound by the loads it has in flight, so every pass issues SAMPLE_UNROLL loads a
-//               thread before it uses any, and reads coalesced: strided over the block, or,
-//               where id order matters, in warp chunks (each warp a contiguous run of ids, 32 at
-//               a time; the chunks tile the row in warp order):
+//   every other choice (a top-k above SAMPLE_MAX_CAND, rows of 2^21 ids or more, greedy with
+//               penalties on rows of more than 2^23 ids) on one block of SAMPLE_THREADS threads
+//               (`sample_token`), the row (248,320 floats, 1 MB) in L2 between its passes; one
+//               SM's pass over the row is bound by the loads it has in flight, so every pass
+//               issues SAMPLE_UNROLL loads a thread before it uses any, and reads coalesced:
+//               strided over the block, or, where id order matters, in warp chunks (each warp a
+//               contiguous run of ids, 32 at a time; the chunks tile the row in warp order):
 //   penalties   logits[id] -= amount for each generated token, in place (the host falls back to
-//               the row already penalised; the grid applies them by range);
+//               the row already penalised; the grid applies them by range; a chained step by
+//               `sample_penalise_chained`, from the counts the chain keeps);
 //   greedy      T <= 0 (penalties given): the first maximum, NaN never chosen;
 //   candidates  the K = min(limit, SAMPLE_MAX_CAND) largest logits (ties to the lower id): a
 //               radix select of the K-th largest key, a compaction in id order, a bitonic sort;
@@ -415,6 +417,39 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (params && threadIdx.x == 0) finish_chained_step(params, host_out, out[0], out[1]);
 }
 
+// A penalised chained step's penalties, before its chooser (which then takes none), from the
+// counts the chain keeps on the device (the host has not read the tokens chosen since it
+// uploaded them): `ids` holds *count_n distinct generated ids (room for `capacity`), `counts`
+// their counts before the token this step fed (params[0]). That token is counted first
+// (appended where new), then each id's penalty, presence + frequency * count rounded as the
+// host's (no FMA), is subtracted from its logit in place. Launch with one block of
+// SAMPLE_THREADS threads.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_penalise_chained(float* logits, int n, const int* params, u32* ids, u32* counts, int* count_n,
+                            int capacity, float presence, float frequency) {
+    __shared__ int slot;
+    grid_dep();
+    const u32 fed = (u32)params[0];
+    const int m = *count_n;
+    if (threadIdx.x == 0) slot = m;
+    __syncthreads();
+    for (int j = threadIdx.x; j < m; j += blockDim.x)
+        if (ids[j] == fed) slot = j;  // the ids are distinct: one writer at most
+    __syncthreads();
+    const int total = slot == m ? min(m + 1, capacity) : m;
+    if (threadIdx.x == 0 && slot < capacity) {
+        if (slot == m) {
+            ids[m] = fed;
+            counts[m] = 0;
+            *count_n = total;
+        }
+        counts[slot] += 1;
+    }
+    __syncthreads();  // thread 0's writes are what the loop reads
+    for (int j = threadIdx.x; j < total; j += blockDim.x)
+        if (ids[j] < (u32)n) logits[ids[j]] -= __fadd_rn(presence, __fmul_rn(frequency, (float)counts[j]));
+}
+
 // The whole-row path on a grid: temperature sampling with top-p 1 and no top-k below the row
 // (the OpenAI default), which on one block is bound by its arithmetic (a division and an exact
 // expf a logit, 248,320 times on one SM). Two launches of SAMPLE_ROW_THREADS threads a block,
@@ -613,14 +648,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
 
 // The top-k path on a grid, for a top-k small enough that every range's `kb` best fit one
 // block's candidates (kb = min(top-k, SAMPLE_ROW_RANGE), kb * ranges <= SAMPLE_MAX_CAND: a
-// top-k up to 33 on a 248,320-entry row, as Qwen's advised 20). Such a choice never looks past
-// the best top-k, so the host's candidates are the best top-k of the ranges' best:
+// top-k up to 33 on a 248,320-entry row, as Qwen's advised 20; and greedy with penalties, as a
+// top-k of 1). Such a choice never looks past the best top-k, so the host's candidates are the
+// best top-k of the ranges' best:
 //   sample_row_top    the penalties of its range applied in place, then its range's kb largest
 //                     packed (value, id) keys (ties to the lower id; 0 where it has fewer) by a
 //                     bitonic sort of its SAMPLE_ROW_RANGE;
 //   sample_top_merge  one block of SAMPLE_THREADS: the ranges' keys sorted again; the best
 //                     min(top-k, valid) are the host's candidates, and its softmax, top-p, min-p
-//                     and walk choose among them (choose_among).
+//                     and walk choose among them (choose_among); greedy takes the best.
 
 // Launch with SAMPLE_ROW_THREADS threads and ceil(n / SAMPLE_ROW_RANGE) blocks.
 extern "C" __global__ void __launch_bounds__(SAMPLE_ROW_THREADS)
@@ -675,6 +711,7 @@ __device__ __forceinline__ void merge_and_choose(const u64* keys, int count, int
         sort_descending(cand, P);
     }
     if (K == 0) sample_done(out, 0, 0);  // every logit NaN
+    else if (!(temperature > 0.f)) sample_done(out, packed_index(chosen[0]), 0);  // greedy (limit 1)
     else choose_among(chosen, K, temperature, top_p, min_p, u, out);
 }
 
