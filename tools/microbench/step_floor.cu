@@ -1,0 +1,313 @@
+// Floors for lily's decode step on one GPU, from kernels that do nothing but what bounds it:
+//
+// 1. What a kernel boundary costs inside a recorded step: N dependent kernels (each reads the
+//    value its predecessor wrote and writes the next, so that none may run ahead) captured in a
+//    CUDA graph and replayed, as lily records a decode step, with and without programmatic
+//    dependent launch (PDL); and, for the persistent form a fused decode kernel would take, one
+//    cooperative kernel with N grid barriers. Each kernel's blocks can also spin for a while (the
+//    "work"), so that what a boundary adds to kernels that do something is seen too.
+// 2. The 35B-A3B step as a chain of ideal streaming kernels: each of lily's weight-reading
+//    kernels replaced by one that only reads as many bytes (from buffers that never share the
+//    50 MB L2), in the same order and count (7 a layer, 40 layers, then the lm_head), two blocks
+//    of 256 threads an SM (shared memory keeps a third out, as lily's products' registers do),
+//    with PDL. "prefetch": a kernel issues its reads before it waits for its predecessor (lily's
+//    products do, but for the routed experts, which need the router's choice); "wait first": it
+//    reads only after the wait. The step's time is the floor for a step of this many dependent
+//    kernels that move these bytes.
+//
+// Build and run on the GPU machine (nvcc is there, no Rust needed):
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/step_floor tools/microbench/step_floor.cu
+//   /tmp/step_floor
+// Prints markdown tables: microseconds (the mean of 5 runs of 50 replays each, after 10 warm-up
+// replays, with the runs' min and max).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                           \
+    do {                                                                                   \
+        cudaError_t e = (x);                                                               \
+        if (e != cudaSuccess) {                                                            \
+            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
+            std::exit(1);                                                                  \
+        }                                                                                  \
+    } while (0)
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+// Busy for `ns` nanoseconds at the H200's 1.98 GHz boost clock (counted in SM cycles: the global
+// timer may tick too coarsely).
+__device__ __forceinline__ void spin_ns(unsigned ns) {
+    if (ns == 0) return;
+    const long long cycles = (long long)ns * 198 / 100, t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}
+
+// One link of the chain: wait for the predecessor (PDL), let the successor launch, then thread 0
+// of block 0 carries the value on while every block spins for `work_ns`.
+__global__ void link(float* chain, int i, unsigned work_ns) {
+    pdl_wait();
+    pdl_launch_dependents();
+    if (blockIdx.x == 0 && threadIdx.x == 0) chain[i] = chain[i - 1] + 1.f;
+    spin_ns(work_ns);
+}
+
+// The persistent form: `links` steps separated by grid barriers (a counter and a generation, as a
+// hand-written fused kernel would use; the kernel is launched cooperatively, so every block is
+// resident).
+__global__ void persistent(float* chain, unsigned* arrived, volatile unsigned* generation, int links,
+                           unsigned work_ns) {
+    for (int i = 1; i <= links; ++i) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) chain[i] = chain[i - 1] + 1.f;
+        spin_ns(work_ns);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned gen = *generation;
+            __threadfence();
+            if (atomicAdd(arrived, 1u) == gridDim.x - 1) {
+                *arrived = 0;
+                __threadfence();
+                *generation = gen + 1;
+            } else {
+                while (*generation == gen) {
+                }
+            }
+            __threadfence();
+        }
+        __syncthreads();
+    }
+}
+
+// Reads n16 16-byte words of w (grid-strided, eight loads a thread in flight), then the chain's
+// link as `link` does; `sink` keeps the reads from being optimised away. PREFETCH: the reads are
+// issued before the wait for the predecessor (which then only orders the link).
+template <bool PREFETCH>
+__global__ void __launch_bounds__(256) stream(const uint4* __restrict__ w, long long n16, float* chain, int i,
+                                              unsigned* sink) {
+    extern __shared__ unsigned occupancy[];  // sized by the launch: two blocks an SM
+    if (!PREFETCH) pdl_wait();
+    pdl_launch_dependents();
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned acc = 0;
+    for (; j + 7 * stride < n16; j += 8 * stride) {
+        uint4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = __ldg(w + j + u * stride);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    for (; j < n16; j += stride) {
+        const uint4 v = __ldg(w + j);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (PREFETCH) pdl_wait();
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) occupancy[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < 8; ++k) acc ^= occupancy[k];
+        sink[blockIdx.x] ^= acc;
+        if (blockIdx.x == 0) chain[i] = chain[i - 1] + 1.f;
+    }
+}
+
+struct Stat {
+    double mean, lo, hi;
+};
+
+// Events on the stream that runs the replays (a non-blocking one: the legacy stream would not
+// order them).
+template <class F>
+Stat time_us(cudaStream_t s, F replay, int per_replay) {
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+    for (int i = 0; i < 10; ++i) replay();
+    CHECK(cudaStreamSynchronize(s));
+    std::vector<double> runs;
+    for (int r = 0; r < 5; ++r) {
+        CHECK(cudaEventRecord(a, s));
+        for (int i = 0; i < 50; ++i) replay();
+        CHECK(cudaEventRecord(b, s));
+        CHECK(cudaEventSynchronize(b));
+        float ms = 0.f;
+        CHECK(cudaEventElapsedTime(&ms, a, b));
+        runs.push_back(1000.0 * ms / 50 / per_replay);
+    }
+    double sum = 0;
+    for (double v : runs) sum += v;
+    return {sum / runs.size(), *std::min_element(runs.begin(), runs.end()),
+            *std::max_element(runs.begin(), runs.end())};
+}
+
+int main() {
+    constexpr int N = 294;  // lily's launches in one 35B decode step (docs/performance.md)
+    float* chain;
+    unsigned* bar;
+    CHECK(cudaMalloc(&chain, (N + 1) * sizeof(float)));
+    CHECK(cudaMalloc(&bar, 2 * sizeof(unsigned)));
+    CHECK(cudaMemset(chain, 0, (N + 1) * sizeof(float)));
+    CHECK(cudaMemset(bar, 0, 2 * sizeof(unsigned)));
+    cudaStream_t s;
+    CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    int sms = 0;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    std::printf("| form | blocks x threads | work a block, us | us a boundary (mean of 5) | min | max |\n");
+    std::printf("|---|---|---:|---:|---:|---:|\n");
+    const int grids[] = {1, sms, 2 * sms, 4 * sms};
+    const unsigned works[] = {0, 2000};
+    for (int pdl = 1; pdl >= 0; --pdl)
+        for (unsigned work : works)
+            for (int grid : grids) {
+                cudaGraph_t g;
+                cudaGraphExec_t ge;
+                CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+                for (int i = 1; i <= N; ++i) {
+                    cudaLaunchConfig_t cfg = {};
+                    cfg.gridDim = dim3(grid);
+                    cfg.blockDim = dim3(256);
+                    cfg.stream = s;
+                    cudaLaunchAttribute attr[1];
+                    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                    attr[0].val.programmaticStreamSerializationAllowed = pdl;
+                    cfg.attrs = attr;
+                    cfg.numAttrs = 1;
+                    CHECK(cudaLaunchKernelEx(&cfg, link, chain, i, work));
+                }
+                CHECK(cudaStreamEndCapture(s, &g));
+                CHECK(cudaGraphInstantiate(&ge, g, 0));
+                const Stat t = time_us(s, [&] { CHECK(cudaGraphLaunch(ge, s)); }, N);
+                std::printf("| graph of %d kernels, %s | %d x 256 | %.1f | %.2f | %.2f | %.2f |\n", N,
+                            pdl ? "PDL" : "no PDL", grid, work / 1000.0, t.mean, t.lo, t.hi);
+                CHECK(cudaGraphExecDestroy(ge));
+                CHECK(cudaGraphDestroy(g));
+            }
+    for (unsigned work : works)
+        for (int grid : grids) {
+            int per_sm = 0;
+            CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent, 256, 0));
+            if (grid > per_sm * sms) continue;
+            int links = N;
+            unsigned* generation = bar + 1;
+            void* args[] = {&chain, &bar, &generation, &links, &work};
+            const Stat t = time_us(
+                s,
+                [&] {
+                    CHECK(cudaLaunchCooperativeKernel((void*)persistent, dim3(grid), dim3(256), args, 0, s));
+                },
+                N);
+            std::printf("| one kernel, %d grid barriers | %d x 256 | %.1f | %.2f | %.2f | %.2f |\n", N, grid,
+                        work / 1000.0, t.mean, t.lo, t.hi);
+        }
+    CHECK(cudaStreamSynchronize(s));
+    float last = 0.f;
+    CHECK(cudaMemcpy(&last, chain + N, sizeof(float), cudaMemcpyDeviceToHost));
+    std::printf("chain value %g (%d: every link ran)\n\n", last, N);
+
+    // 2. The step as streaming kernels. Bytes a kernel reads (MB), in a layer's order: the GDN or
+    // attention in-projections, the conv (its taps and window), the recurrence (the GDN state, read
+    // and written: 30 of 40 layers; the attention layers' prep, splits and merge stand in), the
+    // out_proj or o_proj, the router and shared-expert gate, the expert gate/up (shared and 8 routed
+    // experts), the expert down with the mix; then the lm_head. From docs/performance.md's decode
+    // profile (weights per family over its launches).
+    const double layer_mb[7] = {13.33, 0.05, 4.19, 4.72, 0.56, 10.62, 5.31};
+    const bool routed[7] = {false, false, false, false, false, true, false};
+    const int layers = 40;
+    const double head_mb = 286.1;
+    const int kernels = 7 * layers + 1;
+    std::vector<uint4*> bufs(kernels);
+    std::vector<long long> words(kernels);
+    double total_mb = 0;
+    for (int k = 0; k < kernels; ++k) {
+        const double mb = k == kernels - 1 ? head_mb : layer_mb[k % 7];
+        words[k] = (long long)(mb * 1e6 / 16);
+        total_mb += mb;
+        CHECK(cudaMalloc(&bufs[k], words[k] * 16 + 16));
+        CHECK(cudaMemset(bufs[k], k & 0xff, words[k] * 16 + 16));
+    }
+    float* chain2;
+    unsigned* sink;
+    CHECK(cudaMalloc(&chain2, (kernels + 1) * sizeof(float)));
+    CHECK(cudaMemset(chain2, 0, (kernels + 1) * sizeof(float)));
+    CHECK(cudaMalloc(&sink, 4 * sms * sizeof(unsigned)));
+    CHECK(cudaMemset(sink, 0, 4 * sms * sizeof(unsigned)));
+    // Two blocks an SM: each takes more than a third of the SM's shared memory.
+    int smem_per_sm = 0;
+    CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+    const int smem = smem_per_sm / 3 + 1024;
+    CHECK(cudaFuncSetAttribute(stream<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CHECK(cudaFuncSetAttribute(stream<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    std::printf("| the 35B step as %d streaming kernels (%.0f MB) | us a step (mean of 5) | min | max | "
+                "tok/s | GB/s |\n",
+                kernels, total_mb);
+    std::printf("|---|---:|---:|---:|---:|---:|\n");
+    // mode 0: every kernel prefetches but the routed experts'; 1: none does; 2: every one does.
+    const char* modes[3] = {"prefetch (the routed experts wait first)", "every kernel waits first",
+                            "every kernel prefetches"};
+    for (int mode = 0; mode < 3; ++mode) {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+        for (int k = 0; k < kernels; ++k) {
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(2 * sms);
+            cfg.blockDim = dim3(256);
+            cfg.dynamicSmemBytes = smem;
+            cfg.stream = s;
+            cudaLaunchAttribute attr[1];
+            attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            attr[0].val.programmaticStreamSerializationAllowed = 1;
+            cfg.attrs = attr;
+            cfg.numAttrs = 1;
+            const bool pre = mode == 2 || (mode == 0 && !(k < kernels - 1 && routed[k % 7]));
+            if (pre)
+                CHECK(cudaLaunchKernelEx(&cfg, stream<true>, (const uint4*)bufs[k], words[k], chain2, k + 1, sink));
+            else
+                CHECK(cudaLaunchKernelEx(&cfg, stream<false>, (const uint4*)bufs[k], words[k], chain2, k + 1, sink));
+        }
+        CHECK(cudaStreamEndCapture(s, &g));
+        CHECK(cudaGraphInstantiate(&ge, g, 0));
+        const Stat t = time_us(s, [&] { CHECK(cudaGraphLaunch(ge, s)); }, 1);
+        std::printf("| %s | %.0f | %.0f | %.0f | %.0f | %.0f |\n", modes[mode], t.mean, t.lo, t.hi, 1e6 / t.mean,
+                    total_mb / t.mean * 1e3);
+        CHECK(cudaGraphExecDestroy(ge));
+        CHECK(cudaGraphDestroy(g));
+    }
+    // One kernel alone for each size, as a chain of 40 copies (prefetching), for the per-family
+    // floor.
+    std::printf("\n| one family's kernel, in a chain of 40 | MB | us a kernel | GB/s |\n|---|---:|---:|---:|\n");
+    const char* names[7] = {"in-projections", "conv", "recurrence state", "out_proj", "router", "expert gate/up",
+                            "expert down"};
+    for (int f = 0; f < 7; ++f) {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+        for (int l = 0; l < layers; ++l) {
+            const int k = 7 * l + f;
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(2 * sms);
+            cfg.blockDim = dim3(256);
+            cfg.dynamicSmemBytes = smem;
+            cfg.stream = s;
+            cudaLaunchAttribute attr[1];
+            attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            attr[0].val.programmaticStreamSerializationAllowed = 1;
+            cfg.attrs = attr;
+            cfg.numAttrs = 1;
+            CHECK(cudaLaunchKernelEx(&cfg, stream<true>, (const uint4*)bufs[k], words[k], chain2, k + 1, sink));
+        }
+        CHECK(cudaStreamEndCapture(s, &g));
+        CHECK(cudaGraphInstantiate(&ge, g, 0));
+        const Stat t = time_us(s, [&] { CHECK(cudaGraphLaunch(ge, s)); }, layers);
+        std::printf("| %s | %.2f | %.2f | %.0f |\n", names[f], layer_mb[f], t.mean, layer_mb[f] / t.mean * 1e3);
+        CHECK(cudaGraphExecDestroy(ge));
+        CHECK(cudaGraphDestroy(g));
+    }
+    return 0;
+}
