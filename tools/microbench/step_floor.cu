@@ -13,7 +13,9 @@
 //    with PDL. "prefetch": a kernel issues its reads before it waits for its predecessor (lily's
 //    products do, but for the routed experts, which need the router's choice); "wait first": it
 //    reads only after the wait. The step's time is the floor for a step of this many dependent
-//    kernels that move these bytes.
+//    kernels that move these bytes, at 256, 32,768 and 131,072 keys (the attention layers' KV
+//    cache, f16, read where the GDN layers read their state). Then each family's kernel alone in
+//    a chain of 40 (the small ones' buffers stay in L2 between replays).
 //
 // Build and run on the GPU machine (nvcc is there, no Rust needed):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/step_floor tools/microbench/step_floor.cu
@@ -211,26 +213,17 @@ int main() {
     std::printf("chain value %g (%d: every link ran)\n\n", last, N);
 
     // 2. The step as streaming kernels. Bytes a kernel reads (MB), in a layer's order: the GDN or
-    // attention in-projections, the conv (its taps and window), the recurrence (the GDN state, read
-    // and written: 30 of 40 layers; the attention layers' prep, splits and merge stand in), the
-    // out_proj or o_proj, the router and shared-expert gate, the expert gate/up (shared and 8 routed
-    // experts), the expert down with the mix; then the lm_head. From docs/performance.md's decode
-    // profile (weights per family over its launches).
+    // attention in-projections, the conv (its taps and window), the GDN recurrence's state (read
+    // and written) or, in every fourth layer, the attention's KV cache (f16, 2 heads of 256 at
+    // each key; its prep and merge stand in with the conv's slot), the out_proj or o_proj, the
+    // router and shared-expert gate, the expert gate/up (shared and 8 routed experts), the expert
+    // down with the mix; then the lm_head. From docs/performance.md's decode profile (weights per
+    // family over its launches).
     const double layer_mb[7] = {13.33, 0.05, 4.19, 4.72, 0.56, 10.62, 5.31};
     const bool routed[7] = {false, false, false, false, false, true, false};
     const int layers = 40;
     const double head_mb = 286.1;
     const int kernels = 7 * layers + 1;
-    std::vector<uint4*> bufs(kernels);
-    std::vector<long long> words(kernels);
-    double total_mb = 0;
-    for (int k = 0; k < kernels; ++k) {
-        const double mb = k == kernels - 1 ? head_mb : layer_mb[k % 7];
-        words[k] = (long long)(mb * 1e6 / 16);
-        total_mb += mb;
-        CHECK(cudaMalloc(&bufs[k], words[k] * 16 + 16));
-        CHECK(cudaMemset(bufs[k], k & 0xff, words[k] * 16 + 16));
-    }
     float* chain2;
     unsigned* sink;
     CHECK(cudaMalloc(&chain2, (kernels + 1) * sizeof(float)));
@@ -243,64 +236,77 @@ int main() {
     const int smem = smem_per_sm / 3 + 1024;
     CHECK(cudaFuncSetAttribute(stream<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CHECK(cudaFuncSetAttribute(stream<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    std::printf("| the 35B step as %d streaming kernels (%.0f MB) | us a step (mean of 5) | min | max | "
+    auto launch_stream = [&](bool pre, const uint4* w, long long n16, int k) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(2 * sms);
+        cfg.blockDim = dim3(256);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = s;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        if (pre)
+            CHECK(cudaLaunchKernelEx(&cfg, stream<true>, w, n16, chain2, k + 1, sink));
+        else
+            CHECK(cudaLaunchKernelEx(&cfg, stream<false>, w, n16, chain2, k + 1, sink));
+    };
+    std::vector<uint4*> bufs(kernels);
+    std::vector<long long> words(kernels);
+    std::printf("| the 35B step as %d streaming kernels | context | MB | us a step (mean of 5) | min | max | "
                 "tok/s | GB/s |\n",
-                kernels, total_mb);
-    std::printf("|---|---:|---:|---:|---:|---:|\n");
+                kernels);
+    std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
     // mode 0: every kernel prefetches but the routed experts'; 1: none does; 2: every one does.
     const char* modes[3] = {"prefetch (the routed experts wait first)", "every kernel waits first",
                             "every kernel prefetches"};
-    for (int mode = 0; mode < 3; ++mode) {
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    const long long contexts[3] = {256, 32768, 131072};
+    for (long long keys : contexts) {
+        double total_mb = 0;
         for (int k = 0; k < kernels; ++k) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(2 * sms);
-            cfg.blockDim = dim3(256);
-            cfg.dynamicSmemBytes = smem;
-            cfg.stream = s;
-            cudaLaunchAttribute attr[1];
-            attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attr[0].val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = attr;
-            cfg.numAttrs = 1;
-            const bool pre = mode == 2 || (mode == 0 && !(k < kernels - 1 && routed[k % 7]));
-            if (pre)
-                CHECK(cudaLaunchKernelEx(&cfg, stream<true>, (const uint4*)bufs[k], words[k], chain2, k + 1, sink));
-            else
-                CHECK(cudaLaunchKernelEx(&cfg, stream<false>, (const uint4*)bufs[k], words[k], chain2, k + 1, sink));
+            const int l = k / 7, f = k % 7;
+            const bool attention = l % 4 == 3;
+            double mb = k == kernels - 1 ? head_mb : layer_mb[f];
+            if (k < kernels - 1 && f == 2 && attention) mb = keys * 2 * 256 * 2 * 2 / 1e6;
+            words[k] = (long long)(mb * 1e6 / 16);
+            total_mb += mb;
+            CHECK(cudaMalloc(&bufs[k], words[k] * 16 + 16));
+            CHECK(cudaMemset(bufs[k], k & 0xff, words[k] * 16 + 16));
         }
-        CHECK(cudaStreamEndCapture(s, &g));
-        CHECK(cudaGraphInstantiate(&ge, g, 0));
-        const Stat t = time_us(s, [&] { CHECK(cudaGraphLaunch(ge, s)); }, 1);
-        std::printf("| %s | %.0f | %.0f | %.0f | %.0f | %.0f |\n", modes[mode], t.mean, t.lo, t.hi, 1e6 / t.mean,
-                    total_mb / t.mean * 1e3);
-        CHECK(cudaGraphExecDestroy(ge));
-        CHECK(cudaGraphDestroy(g));
+        for (int mode = 0; mode < 3; ++mode) {
+            if (keys != 256 && mode != 0) continue;
+            cudaGraph_t g;
+            cudaGraphExec_t ge;
+            CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+            for (int k = 0; k < kernels; ++k)
+                launch_stream(mode == 2 || (mode == 0 && !(k < kernels - 1 && routed[k % 7])), bufs[k], words[k],
+                              k);
+            CHECK(cudaStreamEndCapture(s, &g));
+            CHECK(cudaGraphInstantiate(&ge, g, 0));
+            const Stat t = time_us(s, [&] { CHECK(cudaGraphLaunch(ge, s)); }, 1);
+            std::printf("| %s | %lld | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f |\n", modes[mode], keys, total_mb,
+                        t.mean, t.lo, t.hi, 1e6 / t.mean, total_mb / t.mean * 1e3);
+            CHECK(cudaGraphExecDestroy(ge));
+            CHECK(cudaGraphDestroy(g));
+        }
+        if (keys != contexts[2])
+            for (int k = 0; k < kernels; ++k) CHECK(cudaFree(bufs[k]));
     }
-    // One kernel alone for each size, as a chain of 40 copies (prefetching), for the per-family
-    // floor.
+    // One kernel of each family's size in a chain of 40 (prefetching), for the per-family floor:
+    // the GDN layers' buffers (30 of them), each read once or twice.
     std::printf("\n| one family's kernel, in a chain of 40 | MB | us a kernel | GB/s |\n|---|---:|---:|---:|\n");
-    const char* names[7] = {"in-projections", "conv", "recurrence state", "out_proj", "router", "expert gate/up",
-                            "expert down"};
+    const char* names[7] = {"in-projections", "conv", "GDN recurrence state", "out_proj", "router",
+                            "expert gate/up", "expert down"};
     for (int f = 0; f < 7; ++f) {
         cudaGraph_t g;
         cudaGraphExec_t ge;
         CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-        for (int l = 0; l < layers; ++l) {
+        int i = 0;
+        for (int l = 0; i < layers; l = (l + 1) % layers) {
+            if (l % 4 == 3) continue;
             const int k = 7 * l + f;
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(2 * sms);
-            cfg.blockDim = dim3(256);
-            cfg.dynamicSmemBytes = smem;
-            cfg.stream = s;
-            cudaLaunchAttribute attr[1];
-            attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attr[0].val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = attr;
-            cfg.numAttrs = 1;
-            CHECK(cudaLaunchKernelEx(&cfg, stream<true>, (const uint4*)bufs[k], words[k], chain2, k + 1, sink));
+            launch_stream(true, bufs[k], words[k], i++);
         }
         CHECK(cudaStreamEndCapture(s, &g));
         CHECK(cudaGraphInstantiate(&ge, g, 0));
