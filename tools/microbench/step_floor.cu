@@ -14,8 +14,10 @@
 //    products do, but for the routed experts, which need the router's choice); "wait first": it
 //    reads only after the wait. The step's time is the floor for a step of this many dependent
 //    kernels that move these bytes, at 256, 32,768 and 131,072 keys (the attention layers' KV
-//    cache, f16, read where the GDN layers read their state). Then each family's kernel alone in
-//    a chain of 40 (the small ones' buffers stay in L2 between replays).
+//    cache, f16, read where the GDN layers read their state). "products": as a product must, each
+//    kernel also stages its predecessor's output (4,096 floats) after its wait, before it uses
+//    the weights it requested before the wait. Then each family's kernel alone in a chain of 40
+//    (the small ones' buffers stay in L2 between replays).
 //
 // Build and run on the GPU machine (nvcc is there, no Rust needed):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/step_floor tools/microbench/step_floor.cu
@@ -117,6 +119,49 @@ __global__ void __launch_bounds__(256) stream(const uint4* __restrict__ w, long 
         sink[blockIdx.x] ^= acc;
         if (blockIdx.x == 0) chain[i] = chain[i - 1] + 1.f;
     }
+}
+
+// A product's floor: as `stream`, but the kernel also consumes its predecessor's output, as
+// every product of the step consumes x. The thread's first WORDS 16-byte words are requested
+// before the wait (held in registers: enough for every kernel of the step but the lm_head);
+// then the block stages X_LEN floats of the predecessor's output `x_in` into shared memory, lets
+// the next kernel launch (where lily's products do), combines its words with x, and writes its
+// slice of this kernel's output `x_out` (X_LEN floats over the grid).
+constexpr int WORDS = 16, X_LEN = 4096;
+__global__ void __launch_bounds__(256) product(const uint4* __restrict__ w, long long n16, const float* x_in,
+                                               float* x_out, unsigned* sink) {
+    extern __shared__ float xs[];  // X_LEN floats, then 8 words; sized by the launch: two blocks an SM
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    uint4 v[WORDS];
+#pragma unroll
+    for (int u = 0; u < WORDS; ++u) v[u] = t + u * stride < n16 ? __ldg(w + t + u * stride) : make_uint4(0, 0, 0, 0);
+    pdl_wait();
+    for (int i = threadIdx.x; i < X_LEN; i += blockDim.x) xs[i] = x_in[i];
+    __syncthreads();
+    pdl_launch_dependents();
+    unsigned acc = 0;
+#pragma unroll
+    for (int u = 0; u < WORDS; ++u)
+        acc ^= (v[u].x ^ v[u].y ^ v[u].z ^ v[u].w) + __float_as_uint(xs[(t + u * stride) % X_LEN]);
+    for (long long j = t + WORDS * stride; j < n16; j += 8 * stride) {  // the lm_head's, a long KV's rest
+        uint4 r[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) r[u] = j + u * stride < n16 ? __ldg(w + j + u * stride) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) acc ^= r[u].x ^ r[u].y ^ r[u].z ^ r[u].w;
+    }
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    unsigned* red = reinterpret_cast<unsigned*>(xs + X_LEN);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    const int per = (X_LEN + gridDim.x - 1) / gridDim.x;
+    if (threadIdx.x < per && blockIdx.x * per + threadIdx.x < X_LEN) {
+        unsigned a = 0;
+        for (int k = 0; k < 8; ++k) a ^= red[k];
+        x_out[blockIdx.x * per + threadIdx.x] = (float)(a & 0xffff) + xs[threadIdx.x];
+    }
+    if (threadIdx.x == 0) sink[blockIdx.x] ^= red[0];
 }
 
 struct Stat {
@@ -236,6 +281,10 @@ int main() {
     const int smem = smem_per_sm / 3 + 1024;
     CHECK(cudaFuncSetAttribute(stream<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CHECK(cudaFuncSetAttribute(stream<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CHECK(cudaFuncSetAttribute(product, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    float* xbuf;  // each kernel's output, the next one's x
+    CHECK(cudaMalloc(&xbuf, (size_t)(kernels + 1) * X_LEN * sizeof(float)));
+    CHECK(cudaMemset(xbuf, 0, (size_t)(kernels + 1) * X_LEN * sizeof(float)));
     auto launch_stream = [&](bool pre, const uint4* w, long long n16, int k) {
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(2 * sms);
@@ -287,6 +336,35 @@ int main() {
             const Stat t = time_us(s, [&] { CHECK(cudaGraphLaunch(ge, s)); }, 1);
             std::printf("| %s | %lld | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f |\n", modes[mode], keys, total_mb,
                         t.mean, t.lo, t.hi, 1e6 / t.mean, total_mb / t.mean * 1e3);
+            CHECK(cudaGraphExecDestroy(ge));
+            CHECK(cudaGraphDestroy(g));
+        }
+        {
+            // The same chain as products: each kernel stages its predecessor's output first.
+            cudaGraph_t g;
+            cudaGraphExec_t ge;
+            CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+            for (int k = 0; k < kernels; ++k) {
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = dim3(2 * sms);
+                cfg.blockDim = dim3(256);
+                cfg.dynamicSmemBytes = smem;
+                cfg.stream = s;
+                cudaLaunchAttribute attr[1];
+                attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                attr[0].val.programmaticStreamSerializationAllowed = 1;
+                cfg.attrs = attr;
+                cfg.numAttrs = 1;
+                CHECK(cudaLaunchKernelEx(&cfg, product, (const uint4*)bufs[k], words[k],
+                                         (const float*)(xbuf + (size_t)k * X_LEN), xbuf + (size_t)(k + 1) * X_LEN,
+                                         sink));
+            }
+            CHECK(cudaStreamEndCapture(s, &g));
+            CHECK(cudaGraphInstantiate(&ge, g, 0));
+            const Stat t = time_us(s, [&] { CHECK(cudaGraphLaunch(ge, s)); }, 1);
+            std::printf("| products: x staged after the wait, %d words a thread before it | %lld | %.0f | %.0f | %.0f | "
+                        "%.0f | %.0f | %.0f |\n",
+                        WORDS, keys, total_mb, t.mean, t.lo, t.hi, 1e6 / t.mean, total_mb / t.mean * 1e3);
             CHECK(cudaGraphExecDestroy(ge));
             CHECK(cudaGraphDestroy(g));
         }
