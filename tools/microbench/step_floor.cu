@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(256) stream(const uint4* __restrict__ w, long 
 // then the block stages X_LEN floats of the predecessor's output `x_in` into shared memory, lets
 // the next kernel launch (where lily's products do), combines its words with x, and writes its
 // slice of this kernel's output `x_out` (X_LEN floats over the grid).
-constexpr int WORDS = 16, X_LEN = 4096;
+constexpr int WORDS = 16, X_LEN = 4096;  // X_LEN a power of two (an index mask)
 __global__ void __launch_bounds__(256) product(const uint4* __restrict__ w, long long n16, const float* x_in,
                                                float* x_out, unsigned* sink) {
     extern __shared__ float xs[];  // X_LEN floats, then 8 words; sized by the launch: two blocks an SM
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(256) product(const uint4* __restrict__ w, long
     unsigned acc = 0;
 #pragma unroll
     for (int u = 0; u < WORDS; ++u)
-        acc ^= (v[u].x ^ v[u].y ^ v[u].z ^ v[u].w) + __float_as_uint(xs[(t + u * stride) % X_LEN]);
+        acc ^= (v[u].x ^ v[u].y ^ v[u].z ^ v[u].w) + __float_as_uint(xs[(threadIdx.x + 256 * u) & (X_LEN - 1)]);
     for (long long j = t + WORDS * stride; j < n16; j += 8 * stride) {  // the lm_head's, a long KV's rest
         uint4 r[8];
 #pragma unroll
