@@ -16,7 +16,8 @@
 //    kernels that move these bytes, at 256, 32,768 and 131,072 keys (the attention layers' KV
 //    cache, f16, read where the GDN layers read their state). "products": as a product must, each
 //    kernel also stages its predecessor's output (4,096 floats) after its wait, before it uses
-//    the weights it requested before the wait. Then each family's kernel alone in a chain of 40
+//    the weights it requested before the wait (held in registers); with two blocks an SM, or one
+//    (the next kernel's block then fits beside it). Then each family's kernel alone in a chain of 40
 //    (the small ones' buffers stay in L2 between replays).
 //
 // Build and run on the GPU machine (nvcc is there, no Rust needed):
@@ -127,7 +128,8 @@ __global__ void __launch_bounds__(256) stream(const uint4* __restrict__ w, long 
 // then the block stages X_LEN floats of the predecessor's output `x_in` into shared memory, lets
 // the next kernel launch (where lily's products do), combines its words with x, and writes its
 // slice of this kernel's output `x_out` (X_LEN floats over the grid).
-constexpr int WORDS = 16, X_LEN = 4096;  // X_LEN a power of two (an index mask)
+constexpr int X_LEN = 4096;  // a power of two (an index mask)
+template <int WORDS>
 __global__ void __launch_bounds__(256) product(const uint4* __restrict__ w, long long n16, const float* x_in,
                                                float* x_out, unsigned* sink) {
     extern __shared__ float xs[];  // X_LEN floats, then 8 words; sized by the launch: two blocks an SM
@@ -281,7 +283,7 @@ int main() {
     const int smem = smem_per_sm / 3 + 1024;
     CHECK(cudaFuncSetAttribute(stream<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CHECK(cudaFuncSetAttribute(stream<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    CHECK(cudaFuncSetAttribute(product, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CHECK(cudaFuncSetAttribute(product<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     float* xbuf;  // each kernel's output, the next one's x
     CHECK(cudaMalloc(&xbuf, (size_t)(kernels + 1) * X_LEN * sizeof(float)));
     CHECK(cudaMemset(xbuf, 0, (size_t)(kernels + 1) * X_LEN * sizeof(float)));
@@ -339,14 +341,17 @@ int main() {
             CHECK(cudaGraphExecDestroy(ge));
             CHECK(cudaGraphDestroy(g));
         }
-        {
-            // The same chain as products: each kernel stages its predecessor's output first.
+        // The same chain as products: each kernel stages its predecessor's output after its wait.
+        // Two blocks an SM, or one (half the SM's registers and shared memory), so that the next
+        // kernel's block fits beside the current one's and requests its weights while the current
+        // one finishes (its words past the 16 a thread are then read after the wait).
+        for (int per_sm = 2; per_sm >= 1; --per_sm) {
             cudaGraph_t g;
             cudaGraphExec_t ge;
             CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
             for (int k = 0; k < kernels; ++k) {
                 cudaLaunchConfig_t cfg = {};
-                cfg.gridDim = dim3(2 * sms);
+                cfg.gridDim = dim3(per_sm * sms);
                 cfg.blockDim = dim3(256);
                 cfg.dynamicSmemBytes = smem;
                 cfg.stream = s;
@@ -355,16 +360,17 @@ int main() {
                 attr[0].val.programmaticStreamSerializationAllowed = 1;
                 cfg.attrs = attr;
                 cfg.numAttrs = 1;
-                CHECK(cudaLaunchKernelEx(&cfg, product, (const uint4*)bufs[k], words[k],
-                                         (const float*)(xbuf + (size_t)k * X_LEN), xbuf + (size_t)(k + 1) * X_LEN,
-                                         sink));
+                const float* xi = xbuf + (size_t)k * X_LEN;
+                float* xo = xbuf + (size_t)(k + 1) * X_LEN;
+                CHECK(cudaLaunchKernelEx(&cfg, product<16>, (const uint4*)bufs[k], words[k], xi, xo, sink));
             }
             CHECK(cudaStreamEndCapture(s, &g));
             CHECK(cudaGraphInstantiate(&ge, g, 0));
             const Stat t = time_us(s, [&] { CHECK(cudaGraphLaunch(ge, s)); }, 1);
-            std::printf("| products: x staged after the wait, %d words a thread before it | %lld | %.0f | %.0f | %.0f | "
-                        "%.0f | %.0f | %.0f |\n",
-                        WORDS, keys, total_mb, t.mean, t.lo, t.hi, 1e6 / t.mean, total_mb / t.mean * 1e3);
+            std::printf("| products: x staged after the wait, %d words a thread before it, %d block(s) an SM | %lld | "
+                        "%.0f | %.0f | %.0f | %.0f | %.0f | %.0f |\n",
+                        16, per_sm, keys, total_mb, t.mean, t.lo, t.hi, 1e6 / t.mean,
+                        total_mb / t.mean * 1e3);
             CHECK(cudaGraphExecDestroy(ge));
             CHECK(cudaGraphDestroy(g));
         }
