@@ -166,6 +166,21 @@ __global__ void __launch_bounds__(256) product(const uint4* __restrict__ w, long
     if (threadIdx.x == 0) sink[blockIdx.x] ^= red[0];
 }
 
+// A launch on `s` of `grid` blocks of 256 threads with `smem` bytes of dynamic shared memory and,
+// with `pdl`, programmatic dependent launch; `attr` is the attribute's storage.
+cudaLaunchConfig_t launch_config(cudaStream_t s, int grid, int smem, bool pdl, cudaLaunchAttribute* attr) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(256);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr->val.programmaticStreamSerializationAllowed = pdl;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cfg;
+}
+
 struct Stat {
     double mean, lo, hi;
 };
@@ -218,15 +233,8 @@ int main() {
                 cudaGraphExec_t ge;
                 CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
                 for (int i = 1; i <= N; ++i) {
-                    cudaLaunchConfig_t cfg = {};
-                    cfg.gridDim = dim3(grid);
-                    cfg.blockDim = dim3(256);
-                    cfg.stream = s;
-                    cudaLaunchAttribute attr[1];
-                    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                    attr[0].val.programmaticStreamSerializationAllowed = pdl;
-                    cfg.attrs = attr;
-                    cfg.numAttrs = 1;
+                    cudaLaunchAttribute attr;
+                    const cudaLaunchConfig_t cfg = launch_config(s, grid, 0, pdl, &attr);
                     CHECK(cudaLaunchKernelEx(&cfg, link, chain, i, work));
                 }
                 CHECK(cudaStreamEndCapture(s, &g));
@@ -288,16 +296,8 @@ int main() {
     CHECK(cudaMalloc(&xbuf, (size_t)(kernels + 1) * X_LEN * sizeof(float)));
     CHECK(cudaMemset(xbuf, 0, (size_t)(kernels + 1) * X_LEN * sizeof(float)));
     auto launch_stream = [&](bool pre, const uint4* w, long long n16, int k) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(2 * sms);
-        cfg.blockDim = dim3(256);
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = s;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
+        cudaLaunchAttribute attr;
+        const cudaLaunchConfig_t cfg = launch_config(s, 2 * sms, smem, true, &attr);
         if (pre)
             CHECK(cudaLaunchKernelEx(&cfg, stream<true>, w, n16, chain2, k + 1, sink));
         else
@@ -350,16 +350,8 @@ int main() {
             cudaGraphExec_t ge;
             CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
             for (int k = 0; k < kernels; ++k) {
-                cudaLaunchConfig_t cfg = {};
-                cfg.gridDim = dim3(per_sm * sms);
-                cfg.blockDim = dim3(256);
-                cfg.dynamicSmemBytes = smem;
-                cfg.stream = s;
-                cudaLaunchAttribute attr[1];
-                attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                attr[0].val.programmaticStreamSerializationAllowed = 1;
-                cfg.attrs = attr;
-                cfg.numAttrs = 1;
+                cudaLaunchAttribute attr;
+                const cudaLaunchConfig_t cfg = launch_config(s, per_sm * sms, smem, true, &attr);
                 const float* xi = xbuf + (size_t)k * X_LEN;
                 float* xo = xbuf + (size_t)(k + 1) * X_LEN;
                 CHECK(cudaLaunchKernelEx(&cfg, product<16>, (const uint4*)bufs[k], words[k], xi, xo, sink));
