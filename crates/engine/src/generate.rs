@@ -153,7 +153,7 @@ impl<B: Backend> Engine<B> {
         if let StepInput::Host(token) = input {
             self.check_tokens(&[token])?;
         }
-        let choice = sampler.device_choice();
+        let choice = sampler.device_choice(matches!(input, StepInput::Host(_)));
         self.backend
             .queue_decode_step(state, input, &choice, &mut |st, token| {
                 self.logits_for(&[token], st)

@@ -151,12 +151,13 @@ impl Sampler {
     }
 
     /// What a chained decode step chooses with on the device (`Backend::queue_decode_step`):
-    /// the parameters, the next token's draw, and with penalties the counts so far (the device
-    /// counts the tokens it chooses after that); `accept` each token once it is read.
-    pub fn device_choice(&mut self) -> DeviceSampling<'_> {
+    /// the parameters, the next token's draw, and, for a step fed a host token (`host_fed`)
+    /// with penalties, the counts so far (the device counts the tokens it chooses after that,
+    /// so the other steps need none); `accept` each token once it is read.
+    pub fn device_choice(&mut self, host_fed: bool) -> DeviceSampling<'_> {
         let u = self.draw();
         self.generated.clear();
-        if self.params.has_penalties() {
+        if host_fed && self.params.has_penalties() {
             self.generated
                 .extend(self.counts.iter().map(|(&t, &n)| (t, n)));
             self.generated.sort_unstable();
@@ -555,6 +556,24 @@ mod tests {
             (f - 0.8).abs() < 0.02,
             "frequency of the likelier token {f}"
         );
+    }
+
+    #[test]
+    fn a_chain_gets_the_counts_at_its_host_fed_step_only() {
+        let mut s = Sampler::new(SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..SamplingParams::greedy()
+        });
+        for t in [7, 3, 7, 9, 7] {
+            s.accept(t);
+        }
+        assert_eq!(s.device_choice(true).generated, &[(3, 1), (7, 3), (9, 1)]);
+        assert!(s.device_choice(false).generated.is_empty());
+        assert_eq!(s.params().penalty(3), 0.5 + 0.25 * 3.0);
+        let mut plain = Sampler::new(SamplingParams::greedy());
+        plain.accept(7);
+        assert!(plain.device_choice(true).generated.is_empty());
     }
 
     #[test]

@@ -68,8 +68,9 @@ pub struct DeviceSampling<'a> {
     /// For `Backend::sample`: what the penalties subtract from each generated token's logit
     /// (the parameters' own penalty fields are not read).
     pub penalties: &'a [(u32, f32)],
-    /// For `Backend::queue_decode_step` with penalties: each token generated so far (the fed
-    /// token included) and how often, by id.
+    /// For `Backend::queue_decode_step` with penalties, at a `StepInput::Host` step: each token
+    /// generated so far (the fed token included) and how often, by id (the later steps of the
+    /// chain count on the device; they get none).
     pub generated: &'a [(u32, u32)],
 }
 
