@@ -205,6 +205,10 @@ fn argmax_takes_the_first_maximum_and_skips_nan() {
     assert_eq!(r::argmax(&[f32::NAN, -1.0, -1.0]), 1);
     let two = tensor(&b, vec![1.0, 3.0, 2.0, 5.0, 5.0, 0.0], 2, 3);
     assert_eq!(b.argmax_rows(&two).expect("argmax"), vec![1, 0]);
+    // -0.0 is below +0.0 (IEEE total order, as the GPU's packed keys): a later +0.0 wins.
+    assert_eq!(r::argmax(&[-1.0, -0.0, 0.0, -0.0]), 2);
+    assert_eq!(r::argmax(&[0.0, -0.0]), 0);
+    assert_eq!(r::argmax(&[f32::NAN, f32::NAN]), 0);
 }
 
 fn gdn_shapes() -> Vec<GdnShape> {
@@ -383,6 +387,11 @@ fn router_picks_top_k_with_ties_to_lowest_id() {
     // Without renormalisation the weights are the full-softmax probabilities.
     let rt = b.route(&lt, 3, false).expect("route");
     assert_eq!(rt.ids, vec![1, 2, 5]);
+    // -0.0 below +0.0, as in argmax.
+    let signed = b
+        .route(&tensor(&b, vec![-1.0, -0.0, 0.0, -2.0], 1, 4), 2, true)
+        .expect("route");
+    assert_eq!(signed.ids, vec![2, 1]);
     let z: f32 = logits.iter().map(|l| l.exp()).sum();
     assert!((rt.weights[0] - 3f32.exp() / z).abs() < 1e-6);
     let mut rng = StdRng::seed_from_u64(7);

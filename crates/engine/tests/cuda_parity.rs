@@ -339,7 +339,7 @@ fn argmax_takes_the_first_maximum_and_skips_nan() {
     };
     let mut rng = StdRng::seed_from_u64(25);
     let cols = 248_320;
-    let mut x = randn(&mut rng, 4 * cols, 10.0);
+    let mut x = randn(&mut rng, 5 * cols, 10.0);
     x[7] = 50.0; // row 0: a tie between 7 and 200_000 goes to 7
     x[200_000] = 50.0;
     x[cols] = f32::NAN; // row 1: NaN never wins
@@ -347,9 +347,12 @@ fn argmax_takes_the_first_maximum_and_skips_nan() {
     x[cols + 100_000] = 99.0;
     x[2 * cols..3 * cols].fill(f32::NEG_INFINITY); // row 2: all -inf: the first
     x[3 * cols + cols - 1] = 77.0; // row 3: the last column
-    let want = cpu.argmax_rows(&up(&cpu, &x, 4, cols)).expect("cpu");
-    let got = gpu.argmax_rows(&up(&gpu, &x, 4, cols)).expect("gpu");
-    assert_eq!(want, vec![7, 100_000, 0, (cols - 1) as u32]);
+    x[4 * cols..5 * cols].fill(-1.0); // row 4: +0.0 above an earlier -0.0 (IEEE total order)
+    x[4 * cols + 5] = -0.0;
+    x[4 * cols + 9] = 0.0;
+    let want = cpu.argmax_rows(&up(&cpu, &x, 5, cols)).expect("cpu");
+    let got = gpu.argmax_rows(&up(&gpu, &x, 5, cols)).expect("gpu");
+    assert_eq!(want, vec![7, 100_000, 0, (cols - 1) as u32, 9]);
     assert_eq!(got, want);
 }
 
@@ -1348,6 +1351,13 @@ fn routing_breaks_ties_to_the_lowest_id() {
         let rg = gpu.route(&up(&gpu, &logits, t, e), k, true).expect("gpu");
         same_routing(&format!("of tied logits E={e} k={k}"), &gpu, &rg, &rc);
     }
+    // Signed zeros among the ties: -0.0 below +0.0 on both (IEEE total order, reference::route).
+    let signed: Vec<f32> = (0..4 * 256)
+        .map(|_| [-0.5f32, -0.0, 0.0, 0.5][rng.random_range(0..4)])
+        .collect();
+    let rc = cpu.route(&up(&cpu, &signed, 4, 256), 8, true).expect("cpu");
+    let rg = gpu.route(&up(&gpu, &signed, 4, 256), 8, true).expect("gpu");
+    same_routing("of signed zeros", &gpu, &rg, &rc);
     // Past what the kernel holds: a clear error, not a wrong answer.
     let logits = vec![0.0f32; 600];
     let err = gpu

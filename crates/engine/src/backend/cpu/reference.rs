@@ -76,19 +76,17 @@ pub fn swiglu(g: &[f32], u: &[f32]) -> Vec<f32> {
     g.iter().zip(u).map(|(g, u)| silu(*g) * u).collect()
 }
 
-/// First index of the maximum; NaN never wins.
+/// First index of the maximum; NaN never wins (index 0 when every value is NaN). Values compare
+/// in IEEE total order, so -0.0 is below +0.0, as the GPU's packed keys and the sampler's
+/// candidates order them.
 pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    let mut seen = false;
+    let mut best: Option<(usize, f32)> = None;
     for (i, &v) in row.iter().enumerate() {
-        if !v.is_nan() && (!seen || v > best_v) {
-            best = i;
-            best_v = v;
-            seen = true;
+        if !v.is_nan() && best.is_none_or(|(_, b)| v.total_cmp(&b).is_gt()) {
+            best = Some((i, v));
         }
     }
-    best as u32
+    best.map_or(0, |(i, _)| i as u32)
 }
 
 /// Causal depthwise conv. `window` holds the previous `K-1` inputs `[K-1, C]`, oldest first;
@@ -250,8 +248,8 @@ pub fn attention(
     out
 }
 
-/// Softmax over each row of router logits, top-k (ties to the lowest id), optionally
-/// renormalised. Returns `(ids, weights)`, `top_k` per row.
+/// Softmax over each row of router logits, top-k (ties to the lowest id; -0.0 below +0.0, as in
+/// `argmax`), optionally renormalised. Returns `(ids, weights)`, `top_k` per row.
 pub fn route(logits: &[f32], e: usize, top_k: usize, renormalize: bool) -> (Vec<u32>, Vec<f32>) {
     let mut ids = Vec::new();
     let mut ws = Vec::new();
@@ -262,10 +260,13 @@ pub fn route(logits: &[f32], e: usize, top_k: usize, renormalize: bool) -> (Vec<
         let p: Vec<f32> = ex.iter().map(|x| x / z).collect();
         let mut order: Vec<usize> = (0..e).collect();
         order.sort_by(|&i, &j| {
-            row[j]
-                .partial_cmp(&row[i])
-                .unwrap_or(std::cmp::Ordering::Equal)
-                .then(i.cmp(&j))
+            let (a, b) = (row[j], row[i]);
+            let by_value = if a.is_nan() || b.is_nan() {
+                std::cmp::Ordering::Equal
+            } else {
+                a.total_cmp(&b)
+            };
+            by_value.then(i.cmp(&j))
         });
         let chosen = &order[..top_k];
         let total: f32 = chosen.iter().map(|&i| p[i]).sum();
