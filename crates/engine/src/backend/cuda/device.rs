@@ -81,12 +81,8 @@ impl CudaDevice {
             match modules.get(family) {
                 Some(m) => m.clone(),
                 None => {
-                    let source = nvrtc::KERNELS
-                        .iter()
-                        .find(|(n, _)| *n == family)
-                        .map(|(_, s)| *s)
-                        .ok_or_else(|| Error::Backend(format!("no kernel family {family}")))?;
-                    let image = nvrtc::cubin_cached(family, source, &self.arch)?;
+                    let source = nvrtc::kernel_source(family)?;
+                    let image = nvrtc::cubin_cached(family, &source, &self.arch)?;
                     let m = self
                         .ctx
                         .load_module(Ptx::from_binary(image))

@@ -40,6 +40,53 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("sample", family!("kernels/sample.cu")),
 ];
 
+/// Kernel family `family`'s source: the embedded one, or, when `LILY_CUDA_KERNEL_DIR` names a
+/// folder, `family.cu` there after that folder's `common.cuh` (each file the folder lacks is the
+/// embedded one). A developer's knob: a kernel experiment on the GPU machine then needs no
+/// rebuild of lily, only the changed files. The cache key holds the source, so an edited file is
+/// compiled afresh.
+pub fn kernel_source(family: &str) -> Result<std::borrow::Cow<'static, str>> {
+    kernel_source_in(
+        family,
+        std::env::var_os("LILY_CUDA_KERNEL_DIR").map(PathBuf::from),
+    )
+}
+
+fn kernel_source_in(family: &str, dir: Option<PathBuf>) -> Result<std::borrow::Cow<'static, str>> {
+    let embedded = KERNELS
+        .iter()
+        .find(|(n, _)| *n == family)
+        .map(|(_, s)| *s)
+        .ok_or_else(|| Error::Backend(format!("no kernel family {family}")))?;
+    let Some(dir) = dir else {
+        return Ok(embedded.into());
+    };
+    let read = |file: &str| -> Result<Option<String>> {
+        let path = dir.join(file);
+        match std::fs::read_to_string(&path) {
+            Ok(s) => Ok(Some(s)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::Backend(format!(
+                "LILY_CUDA_KERNEL_DIR: reading {}: {e}",
+                path.display()
+            ))),
+        }
+    };
+    let common = read("common.cuh")?;
+    let body = read(&format!("{family}.cu"))?;
+    if common.is_none() && body.is_none() {
+        return Ok(embedded.into());
+    }
+    let common_embedded = include_str!("kernels/common.cuh");
+    let body_embedded = &embedded[common_embedded.len() + 1..];
+    Ok(format!(
+        "{}\n{}",
+        common.as_deref().unwrap_or(common_embedded),
+        body.as_deref().unwrap_or(body_embedded)
+    )
+    .into())
+}
+
 /// The architectures CI compiles every kernel for: the oldest supported and Hopper.
 pub const CI_ARCHS: &[&str] = &["sm_80", "sm_90a"];
 
@@ -231,5 +278,33 @@ mod tests {
         assert_ne!(base, cache_key("quant", "src", "sm_80", (13, 0)));
         assert_ne!(base, cache_key("quant", "src", "sm_90a", (13, 1)));
         assert_eq!(base, cache_key("quant", "src", "sm_90a", (13, 0)));
+    }
+
+    #[test]
+    fn a_kernel_folder_replaces_the_files_it_holds() {
+        let embedded = |f: &str| KERNELS.iter().find(|(n, _)| *n == f).unwrap().1;
+        assert_eq!(kernel_source_in("gdn", None).unwrap(), embedded("gdn"));
+        let dir = std::env::temp_dir().join(format!("lily-kernel-dir-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A folder without the family's files leaves it embedded.
+        assert_eq!(
+            kernel_source_in("gdn", Some(dir.clone())).unwrap(),
+            embedded("gdn")
+        );
+        std::fs::write(dir.join("gdn.cu"), "// edited gdn\n").unwrap();
+        let edited = kernel_source_in("gdn", Some(dir.clone())).unwrap();
+        let common = include_str!("kernels/common.cuh");
+        assert_eq!(edited, format!("{common}\n// edited gdn\n"));
+        std::fs::write(dir.join("common.cuh"), "// edited common").unwrap();
+        let both = kernel_source_in("quant", Some(dir.clone())).unwrap();
+        assert_eq!(
+            both,
+            format!(
+                "// edited common\n{}",
+                &embedded("quant")[common.len() + 1..]
+            )
+        );
+        assert!(kernel_source_in("nonesuch", Some(dir.clone())).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
