@@ -92,7 +92,12 @@ fn gpu_gemv(
             Grid::Blocks(n) => (n, 1, 1),
         },
         block_dim: (256, 1, 1),
-        shared_mem_bytes: engine::backend::cuda::gemv_smem_bytes(w.cols) as u32,
+        // The integer tensor-core kernels stage x as digits, not floats.
+        shared_mem_bytes: if suffix.ends_with("_qx") {
+            engine::backend::cuda::qx_smem_bytes(w.cols)
+        } else {
+            engine::backend::cuda::gemv_smem_bytes(w.cols)
+        } as u32,
     };
     let mut times = Vec::new();
     for _ in 0..reps.max(1) {
@@ -1060,8 +1065,11 @@ fn quantized_gemv_matches_the_cpu_reference() {
             let w = qweight(&mut rng, rows, cols, bits);
             let x: Vec<f32> = (0..cols).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
             let want = r::qmatmul(&x, 1, &w);
-            // Every kernel at every shape, whichever the backend would choose.
-            for variant in GEMV_KERNELS {
+            // Every kernel at every shape, whichever the backend would choose; the 4-bit ones
+            // also on the integer tensor cores (on 3 blocks: several 16-row tiles a warp).
+            let qx = [("_stream_qx", Grid::Blocks(3))];
+            let qx = if bits == 4 { &qx[..] } else { &[] };
+            for &variant in GEMV_KERNELS.iter().chain(qx) {
                 let (got, _) = gpu_gemv(&dev, &w, &x, variant, 1);
                 let err = nmse(&got, &want);
                 assert!(
@@ -1095,6 +1103,10 @@ fn quantized_gemv_bandwidth_is_reported() {
     for (name, grid) in [
         ("four rows per warp", GEMV_KERNELS[0]),
         ("stream", ("_stream", Grid::Blocks(2 * sms))),
+        (
+            "integer tensor cores",
+            ("_stream_qx", Grid::Blocks(2 * sms)),
+        ),
     ] {
         let (got, ms) = gpu_gemv(&dev, &w, &x, grid, 20);
         assert!(nmse(&got, &expect) < 1e-10);

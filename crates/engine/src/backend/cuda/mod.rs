@@ -299,6 +299,9 @@ struct Kernels {
     /// SM walking the rows).
     gemv_stream: [CudaFunction; 2],
     gemv_batch_stream: [CudaFunction; 2],
+    /// One token's 4-bit products of many rows on the integer tensor cores; `None` with
+    /// `LILY_CUDA_QX=0` (`gemv_batch_stream` and `gemv_stream` then, to compare).
+    gemv_qx: Option<GemvQx>,
     /// `[experts > 256][bits]`: the kernel's routing takes 8 or 16 logits a lane.
     moe_gate_up_stream: [[CudaFunction; 2]; 2],
     /// Tensor-core products for prefill (kernels/qmma.cu): the warpgroup (`wgmma`) kernels on
@@ -456,6 +459,14 @@ impl Kernels {
             head_norm_apply: f("quant", "head_norm_apply")?,
             gemv_stream: pair("gemv_stream")?,
             gemv_batch_stream: pair("gemv_batch_stream")?,
+            gemv_qx: if std::env::var("LILY_CUDA_QX").is_ok_and(|v| v == "0") {
+                None
+            } else {
+                Some(GemvQx {
+                    batch: f("quant", "q4_gemv_batch_qx")?,
+                    stream: f("quant", "q4_gemv_stream_qx")?,
+                })
+            },
             moe_gate_up_stream: [
                 pair("moe_gate_up_stream")?,
                 pair("moe_gate_up_stream_e512")?,
@@ -968,6 +979,25 @@ fn check_routing(experts: usize, top_k: usize) -> Result<()> {
 /// stage_x): x itself, then one sum per vector of codes (16 columns at 8 bits, 32 at 4).
 pub fn gemv_smem_bytes(cols: usize) -> usize {
     4 * (cols + cols / 16)
+}
+
+/// One token's 4-bit products on the integer tensor cores (kernels/quant.cu, `QxStaged`).
+struct GemvQx {
+    /// A batch of matrices, a block per 32 rows (`QX_ROWS_PER_BLOCK`): the in-projections.
+    batch: CudaFunction,
+    /// One matrix of many rows walked by each warp 16 rows at a time: the lm_head.
+    stream: CudaFunction,
+}
+
+/// Rows of one block of `q4_gemv_batch_qx` (kernels/quant.cu: two tiles of 16).
+const QX_ROWS_PER_BLOCK: usize = 32;
+
+/// Dynamic shared memory of x staged for the integer tensor cores (kernels/quant.cu, `QxStaged`):
+/// per 128-column round, 4 k-steps x 4 parts x 4 lanes of 8-byte fragments; per 64-column group
+/// four multipliers and a sum.
+pub fn qx_smem_bytes(cols: usize) -> usize {
+    let rounds = cols.div_ceil(128);
+    rounds * 4 * 4 * 4 * 8 + rounds * 2 * (4 + 1) * 4
 }
 
 /// A residual norm's row of `cols` against its gains, within what one block holds
@@ -2753,18 +2783,33 @@ impl Backend for CudaBackend {
         if x.rows == 0 || w.rows == 0 {
             return Ok(out);
         }
-        // Matrices of many rows (the lm_head) on two blocks per SM walking the rows, the
-        // others one pass of the variant's blocks.
-        let (f, label, blocks) = if w.rows.div_ceil(GEMV_SHAPES[0].rows_per_block)
-            >= STREAM_MIN_BLOCKS_PER_SM * self.sms
-        {
-            (&self.k.gemv_stream[b], "gemv_stream[b]", 2 * self.sms)
+        // Matrices of many rows (the lm_head) on two blocks per SM walking the rows (one
+        // token's 4-bit ones on the integer tensor cores), the others one pass of the variant's
+        // blocks.
+        let stream =
+            w.rows.div_ceil(GEMV_SHAPES[0].rows_per_block) >= STREAM_MIN_BLOCKS_PER_SM * self.sms;
+        let qx = self
+            .k
+            .gemv_qx
+            .as_ref()
+            .filter(|_| stream && x.rows == 1 && w.bits == 4);
+        let (f, label, blocks, smem) = if let Some(GemvQx { stream: f, .. }) = qx {
+            let blocks = (2 * self.sms).min(w.rows.div_ceil(128));
+            (f, "gemv_stream_qx", blocks, qx_smem_bytes(w.cols))
+        } else if stream {
+            (
+                &self.k.gemv_stream[b],
+                "gemv_stream[b]",
+                2 * self.sms,
+                gemv_smem_bytes(w.cols),
+            )
         } else {
             let shape = self.gemv_variant(w.rows * x.rows, w.cols, w.bits);
             (
                 &self.k.gemv[b][shape.variant],
                 "gemv[b][variant]",
                 w.rows.div_ceil(shape.rows_per_block),
+                gemv_smem_bytes(w.cols),
             )
         };
         let args: [&dyn KernelArg; 6] = [
@@ -2775,14 +2820,14 @@ impl Backend for CudaBackend {
             &(w.cols as i32),
             &nrm,
         ];
-        // SAFETY: both kernels take (QMat w, const float* x, float* y, int rows, int cols,
-        // RowNorm nrm), one token per blockIdx.y, and gemv_smem_bytes(cols) of shared memory
-        // (kernels/quant.cu).
+        // SAFETY: the kernels take (QMat w, const float* x, float* y, int rows, int cols,
+        // RowNorm nrm), one token per blockIdx.y (the qx kernel one token), and `smem` of shared
+        // memory (kernels/quant.cu).
         unsafe {
             self.launch(
                 f,
                 label,
-                cfg((blocks as u32, x.rows as u32), 256, gemv_smem_bytes(w.cols)),
+                cfg((blocks as u32, x.rows as u32), 256, smem),
                 &args,
                 x.rows as u64 * qbytes(w.rows, w.cols, w.bits),
             )
@@ -2824,11 +2869,28 @@ impl Backend for CudaBackend {
                     .map(|w| qbytes(w.rows, w.cols, w.bits))
                     .sum::<u64>();
                 // Four-row warps needing more blocks than two per SM (their registers' limit)
-                // would leave a second, mostly empty wave: walk the rows instead.
-                let stream = variant == 0
-                    && blocks as usize > 2 * self.sms
-                    && part.iter().all(|w| w.rows.is_multiple_of(2));
-                if stream {
+                // would leave a second, mostly empty wave: walk the rows instead, or for 4-bit
+                // matrices take them on the integer tensor cores.
+                let many = variant == 0 && blocks as usize > 2 * self.sms;
+                let qx = self
+                    .k
+                    .gemv_qx
+                    .as_ref()
+                    .filter(|_| many && part[0].bits == 4);
+                if let Some(gemv_qx) = qx {
+                    let rows: usize = part.iter().map(|w| w.rows).sum();
+                    launch!(
+                        self,
+                        gemv_qx.batch,
+                        cfg(
+                            (rows.div_ceil(QX_ROWS_PER_BLOCK) as u32, 1),
+                            256,
+                            qx_smem_bytes(x.cols)
+                        ),
+                        [batch, x_ptr, x.cols as i32, nrm],
+                        bytes = bytes
+                    )?;
+                } else if many && part.iter().all(|w| w.rows.is_multiple_of(2)) {
                     launch!(
                         self,
                         self.k.gemv_batch_stream[b],

@@ -441,6 +441,307 @@ extern "C" __global__ void GEMV_BOUNDS(2) q8_gemv_batch_stream(QBatch b, const f
     qgemv_batch_stream<8>(b, x, cols, nrm);
 }
 
+// ---- one token's 4-bit products on the integer tensor cores (mma.sync m16n8k32, u8 codes times
+// s8 digits of x, s32 sums). The products above spend about four instructions a code on the CUDA
+// cores (extract, convert, multiply-add), enough to bound them by issue rather than by HBM
+// (docs/performance.md, run38); an mma takes 512 codes in one instruction.
+//
+// A holds the codes: row i's 32 k-values of one step are 32 codes as unsigned bytes. B holds x:
+// per 64-column group g, x is taken to 31-bit fixed point X = rint(x * 2^(30 - e_g)) (max|x| <
+// 2^e_g), and split in four signed base-256 digits X = sum_k d_k 256^k (the parts; d_k = byte k
+// of X + 0x80808080, less 128). The mma sums code * part exactly in s32, and
+//   sum_c q_c x_c = sum_k 2^(e_g - 30 + 8k) C_k   (C_k: the mma's sum of part k).
+// Each part's sum is exact, and the fixed point's error (under 2^(e_g - 31) an element) is far
+// below the f32 rounding of the group's sum: the dequantized weight is never rounded, and the
+// result differs from the f32 product by about its order of additions (design.md's numerics;
+// the parity tests' nmse is that of the CUDA-core kernels). A group
+// holding a NaN or an infinity gets NaN multipliers, so the product is NaN as in f32.
+//
+// The k order inside a tile is free as long as A and B agree. Lane (g, t) of k-step j of a
+// 128-column round takes word 4t + j of its row (each lane loads four consecutive words, 32
+// codes, as one 16-byte vector): a0/a1 are its even nibbles (columns 8(4t + j) + 2i), a2/a3 its
+// odd ones (+1). So B column n of that step holds part n % 4 of the x values at those columns
+// where they fall in group n / 4 of the round (t / 2), else zero: one mma sums both groups of the
+// round, four parts each, into C's eight columns.
+
+#define QX_WARPS_PER_TILE 4  // the warps of a tile split its rounds
+#define QX_TILES 2           // tiles of 16 rows per block of 256 threads (mod.rs: QX_ROWS_PER_BLOCK)
+#define QX_BATCH 2           // rounds of 128 columns a warp loads at once (two 16-byte vectors each)
+
+__device__ __forceinline__ int qx_rounds(int cols) { return (cols + 127) >> 7; }
+
+// The staged x in shared memory (qx_smem_bytes in mod.rs): per 128-column round, k-step, part
+// and lane-in-quad, the (even, odd) B fragment words of the lanes whose group holds them (the
+// other lanes' are zero, chosen in b()); per 64-column group the parts' multipliers and the sum
+// of x (for the biases).
+struct QxStaged {
+    uint2* frag;
+    float* mult;
+    float* gsum;
+
+    __device__ __forceinline__ QxStaged(unsigned char* smem, int cols) {
+        const int rounds = qx_rounds(cols);
+        frag = reinterpret_cast<uint2*>(smem);
+        mult = reinterpret_cast<float*>(frag + rounds * 64);
+        gsum = mult + rounds * 8;
+    }
+
+    // Stages x[cols] (cols a multiple of 64), span w (8 columns, one 4-bit word) by thread w of
+    // the block. Whole warps run every pass (the shuffles need them; a group's 8 spans are 8
+    // lanes), lanes past the last span idle: spans is a multiple of 16 only.
+    __device__ __forceinline__ void stage(const float* __restrict__ x, int cols) const {
+        const int spans = qx_rounds(cols) * 16;
+        for (int base = 0; base < spans; base += blockDim.x) {
+            const int w = base + (int)threadIdx.x;
+            const bool live = w < spans;
+            float v[8];
+            if (live && 8 * w < cols) {
+                const float4 lo = reinterpret_cast<const float4*>(x)[2 * w], hi = reinterpret_cast<const float4*>(x)[2 * w + 1];
+                v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[i] = 0.f;
+            }
+            // The largest |x| as bits: non-negative floats order as their bits, and an infinity
+            // or NaN is above every finite value.
+            u32 mb = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) mb = max(mb, __float_as_uint(v[i]) & 0x7fffffffu);
+            float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) {
+                mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+                s += __shfl_xor_sync(0xffffffffu, s, o);
+            }
+            // max|x| < 2^e; e >= -96 keeps 2^(30 - e) a normal float (a group that small is zeros).
+            const int e = max((int)(mb >> 23) - 126, -96);
+            const float to_fixed = __int_as_float((127 + 30 - e) << 23);
+            u32 d[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) d[i] = ((u32)__float2int_rn(v[i] * to_fixed) + 0x80808080u) ^ 0x80808080u;
+            // Byte k of the even columns' digits into word k (a 4 x 4 byte transpose), and of the odd.
+            u32 even[4], odd[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                u32* out = h ? odd : even;
+                const u32 lo01 = __byte_perm(d[h], d[h + 2], 0x5140), hi01 = __byte_perm(d[h], d[h + 2], 0x7362);
+                const u32 lo23 = __byte_perm(d[h + 4], d[h + 6], 0x5140), hi23 = __byte_perm(d[h + 4], d[h + 6], 0x7362);
+                out[0] = __byte_perm(lo01, lo23, 0x5410);
+                out[1] = __byte_perm(lo01, lo23, 0x7632);
+                out[2] = __byte_perm(hi01, hi23, 0x5410);
+                out[3] = __byte_perm(hi01, hi23, 0x7632);
+            }
+            if (!live) continue;
+            const int r = w >> 4, t = (w >> 2) & 3, j = w & 3;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) frag[((r * 4 + j) * 4 + k) * 4 + t] = make_uint2(even[k], odd[k]);
+            if ((w & 7) == 0) {
+                const int g = w >> 3;
+                const bool bad = mb >= 0x7f800000u;
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    mult[4 * g + k] = bad ? __int_as_float(0x7fffffff) : __int_as_float((127 + e - 30 + 8 * k) << 23);
+                gsum[g] = s;
+            }
+        }
+    }
+
+    // The kernel's wait for its predecessor, then x staged (by the whole block) and the next
+    // kernel let launch; returns the row norm's scale of the products (1 without one).
+    __device__ __forceinline__ float stage_after_wait(const float* __restrict__ x, int cols, const RowNorm& nrm) const {
+        pdl_wait();
+        float part[ROW_NORM_LOADS];
+        row_norm_load(nrm, part);
+        stage(x, cols);
+        __syncthreads();
+        pdl_launch_dependents();
+        return row_norm_scale(nrm, part);
+    }
+
+    // Lane (g, t)'s B fragment of k-step j of round r: part g % 4 of group g / 4, zero where the
+    // lane's columns (t / 2) are in the other group.
+    __device__ __forceinline__ uint2 b(int r, int j) const {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const uint2 v = frag[((r * 4 + j) * 4 + (g & 3)) * 4 + t];
+        return (g >> 2) == (t >> 1) ? v : make_uint2(0u, 0u);
+    }
+};
+
+// The sum over a quad's four lanes (a row's partial sums: each lane holds its columns').
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ void mma_u8s8(int c[4], const u32 a[4], uint2 b) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+}
+
+// A lane's row of a 4-bit matrix, from its first word (4t, lane (g, t)) and its first group's
+// scale and bias (t / 2); no codes: a row past the end (zeros).
+struct QxRow {
+    const u32* codes;
+    const u16* scales;
+    const u16* biases;
+};
+
+__device__ __forceinline__ QxRow qx_row(QMat m, int row, int cols) {
+    const int t = threadIdx.x & 3;
+    const size_t words = cols >> 3, groups = cols >> 6;
+    return {m.codes + row * words + 4 * t, m.scales + row * groups + (t >> 1), m.biases + row * groups + (t >> 1)};
+}
+
+// One warp's part of a 16-row tile: row a (tile rows 0-7) and row b (8-15) of lane (g, t),
+// loaded QX_BATCH rounds of 128 columns at a time; partial sums over the lane's columns (the
+// quad's four lanes sum to the row's).
+struct QxTile {
+    QxRow ra, rb;
+    uint4 qa[QX_BATCH], qb[QX_BATCH];
+    u32 sba[QX_BATCH], sbb[QX_BATCH];  // bf16 scale (low half) and bias (high half)
+
+    // Loads rounds r0 .. r0 + QX_BATCH - 1 (those under r1).
+    __device__ __forceinline__ void load(int cols, int r0, int r1) {
+        const int t = threadIdx.x & 3;
+#pragma unroll
+        for (int i = 0; i < QX_BATCH; ++i) {
+            const int r = r0 + i;
+            const bool in = r < r1 && 128 * r + 32 * t < cols;
+            qa[i] = in && ra.codes ? __ldg(reinterpret_cast<const uint4*>(ra.codes + 16 * r)) : make_uint4(0u, 0u, 0u, 0u);
+            qb[i] = in && rb.codes ? __ldg(reinterpret_cast<const uint4*>(rb.codes + 16 * r)) : make_uint4(0u, 0u, 0u, 0u);
+            sba[i] = in && ra.codes ? (u32)__ldg(ra.scales + 2 * r) | ((u32)__ldg(ra.biases + 2 * r) << 16) : 0u;
+            sbb[i] = in && rb.codes ? (u32)__ldg(rb.scales + 2 * r) | ((u32)__ldg(rb.biases + 2 * r) << 16) : 0u;
+        }
+    }
+
+    // The loaded rounds added to acc_a / acc_b.
+    __device__ __forceinline__ void run(const QxStaged& xs, int r0, int r1, float& acc_a, float& acc_b) const {
+        const int t = threadIdx.x & 3;
+#pragma unroll
+        for (int i = 0; i < QX_BATCH; ++i) {
+            const int r = r0 + i;
+            if (r >= r1) break;
+            int c[4] = {0, 0, 0, 0};
+            const u32 wa[4] = {qa[i].x, qa[i].y, qa[i].z, qa[i].w}, wb[4] = {qb[i].x, qb[i].y, qb[i].z, qb[i].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 a[4] = {wa[j] & 0x0f0f0f0fu, wb[j] & 0x0f0f0f0fu, (wa[j] >> 4) & 0x0f0f0f0fu,
+                                  (wb[j] >> 4) & 0x0f0f0f0fu};
+                mma_u8s8(c, a, xs.b(r, j));
+            }
+            // C's columns 2t, 2t + 1: parts 2(t & 1) and 2(t & 1) + 1 of group 2r + t / 2.
+            const int grp = 2 * r + (t >> 1);
+            const float2 m = reinterpret_cast<const float2*>(xs.mult + 4 * grp)[t & 1];
+            const float bsx = (t & 1) ? 0.f : xs.gsum[grp];  // each group's bias term once
+            const float da = fmaf((float)c[1], m.y, (float)c[0] * m.x), db = fmaf((float)c[3], m.y, (float)c[2] * m.x);
+            acc_a = fmaf(bf16_to_f32((u16)sba[i]), da, fmaf(bf16_to_f32((u16)(sba[i] >> 16)), bsx, acc_a));
+            acc_b = fmaf(bf16_to_f32((u16)sbb[i]), db, fmaf(bf16_to_f32((u16)(sbb[i] >> 16)), bsx, acc_b));
+        }
+    }
+};
+
+// Matrix m of run row g of a batch (b.first_row[4] rows in all).
+__device__ __forceinline__ int batch_matrix(const QBatch& b, int g) {
+    int m = 0;
+    while (m < 3 && g >= b.first_row[m + 1]) ++m;
+    return m;
+}
+
+// qgemv_batch_stream's product on the tensor cores: a block per 32 rows of the batch's run (two
+// tiles of 16, each split over 4 warps by rounds of 128 columns), the first rounds' weights
+// loaded before the wait. Launch with 256 threads, ceil(first_row[4] / 32) blocks and
+// qx_smem_bytes(cols) of shared memory; 4-bit matrices, cols a multiple of 64.
+extern "C" __global__ void __launch_bounds__(256, 3) q4_gemv_batch_qx(QBatch b, const float* x, int cols, RowNorm nrm) {
+    extern __shared__ __align__(16) unsigned char qx_smem[];
+    const QxStaged xs(qx_smem, cols);
+    __shared__ float partial[QX_TILES][QX_WARPS_PER_TILE][16];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tile = warp / QX_WARPS_PER_TILE, kw = warp % QX_WARPS_PER_TILE;
+    const int total = b.first_row[4], first = (blockIdx.x * QX_TILES + tile) * 16;
+    const int rounds = qx_rounds(cols), per_warp = (rounds + QX_WARPS_PER_TILE - 1) / QX_WARPS_PER_TILE;
+    const int r0 = kw * per_warp, r1 = min(rounds, r0 + per_warp);
+    auto row_of = [&](int g) {
+        if (g >= total) return QxRow{nullptr, nullptr, nullptr};
+        const int m = batch_matrix(b, g);
+        return qx_row({b.codes[m], b.scales[m], b.biases[m]}, g - b.first_row[m], cols);
+    };
+    QxTile w;
+    w.ra = row_of(first + (lane >> 2));
+    w.rb = row_of(first + 8 + (lane >> 2));
+    w.load(cols, r0, r1);
+    const float scale = xs.stage_after_wait(x, cols, nrm);
+    float acc_a = 0.f, acc_b = 0.f;
+    for (int rb = r0; rb < r1; rb += QX_BATCH) {
+        if (rb != r0) w.load(cols, rb, r1);
+        w.run(xs, rb, r1, acc_a, acc_b);
+    }
+    acc_a = quad_sum(acc_a);
+    acc_b = quad_sum(acc_b);
+    if ((lane & 3) == 0) {
+        partial[tile][kw][lane >> 2] = acc_a;
+        partial[tile][kw][8 + (lane >> 2)] = acc_b;
+    }
+    __syncthreads();
+    if (threadIdx.x < 16 * QX_TILES) {
+        const int g = blockIdx.x * QX_TILES * 16 + threadIdx.x;
+        if (g < total) {
+            const int tl = threadIdx.x >> 4, r = threadIdx.x & 15;
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < QX_WARPS_PER_TILE; ++k) sum += partial[tl][k][r];
+            const int m = batch_matrix(b, g);
+            b.y[m][g - b.first_row[m]] = sum * scale;
+        }
+    }
+}
+
+// qgemv_stream's product (the lm_head's: many rows, one token) on the tensor cores: each warp
+// walks 16-row tiles over all their columns (no reduction across warps, so no barrier after the
+// staging), the next QX_BATCH rounds' weights, of this tile or the warp's next, loaded while the
+// current ones multiply. Launch with 256 threads, at most ceil(rows / 128) blocks (two an SM fill
+// it) and qx_smem_bytes(cols) of shared memory; 4-bit, cols a multiple of 64; one token.
+extern "C" __global__ void __launch_bounds__(256, 2) q4_gemv_stream_qx(QMat w, const float* x, float* y, int rows,
+                                                                       int cols, RowNorm nrm) {
+    extern __shared__ __align__(16) unsigned char qx_smem[];
+    const QxStaged xs(qx_smem, cols);
+    const int lane = threadIdx.x & 31, warps = (int)(gridDim.x * (blockDim.x >> 5));
+    const int tiles = (rows + 15) >> 4, rounds = qx_rounds(cols);
+    auto row_of = [&](int r) { return r < rows ? qx_row(w, r, cols) : QxRow{nullptr, nullptr, nullptr}; };
+    int tile = warp_in_grid(), r = 0;
+    QxTile cur;
+    if (tile < tiles) {
+        cur.ra = row_of(16 * tile + (lane >> 2));
+        cur.rb = row_of(16 * tile + 8 + (lane >> 2));
+        cur.load(cols, 0, rounds);
+    }
+    const float scale = xs.stage_after_wait(x, cols, nrm);
+    float acc_a = 0.f, acc_b = 0.f;
+    while (tile < tiles) {
+        int next_tile = tile, next_r = r + QX_BATCH;
+        if (next_r >= rounds) next_r = 0, next_tile += warps;
+        QxTile next;
+        if (next_tile < tiles) {
+            next.ra = next_tile == tile ? cur.ra : row_of(16 * next_tile + (lane >> 2));
+            next.rb = next_tile == tile ? cur.rb : row_of(16 * next_tile + 8 + (lane >> 2));
+            next.load(cols, next_r, rounds);
+        }
+        cur.run(xs, r, rounds, acc_a, acc_b);
+        if (next_r == 0) {
+            acc_a = quad_sum(acc_a);
+            acc_b = quad_sum(acc_b);
+            const int ra = 16 * tile + (lane >> 2), rb = ra + 8;
+            if ((lane & 3) == 0 && ra < rows) y[ra] = acc_a * scale;
+            if ((lane & 3) == 0 && rb < rows) y[rb] = acc_b * scale;
+            acc_a = acc_b = 0.f;
+        }
+        cur = next;
+        tile = next_tile;
+        r = next_r;
+    }
+}
+
 // ---- the last block. Work that needs other blocks' results (the mix of a block of rows' expert
 // outputs) is done by the block that finishes last instead of in a launch of its own.
 
