@@ -366,8 +366,7 @@ impl Kernels {
     fn load(dev: &CudaDevice) -> Result<Kernels> {
         // Hopper's warpgroup products where the kernels were built for it (`LILY_CUDA_WGMMA=0`
         // keeps the sm_80 ones, for comparison).
-        let wgmma =
-            dev.arch == "sm_90a" && std::env::var("LILY_CUDA_WGMMA").map_or(true, |v| v != "0");
+        let wgmma = dev.arch == "sm_90a" && !switched_off("LILY_CUDA_WGMMA");
         tracing::info!(
             core = if wgmma { "wgmma" } else { "mma" },
             "prefill products on the tensor cores"
@@ -459,7 +458,7 @@ impl Kernels {
             head_norm_apply: f("quant", "head_norm_apply")?,
             gemv_stream: pair("gemv_stream")?,
             gemv_batch_stream: pair("gemv_batch_stream")?,
-            gemv_qx: if std::env::var("LILY_CUDA_QX").is_ok_and(|v| v == "0") {
+            gemv_qx: if switched_off("LILY_CUDA_QX") {
                 None
             } else {
                 Some(GemvQx {
@@ -492,7 +491,7 @@ impl Kernels {
             split_q_gate: f("pointwise", "split_q_gate")?,
             argmax_rows: f("pointwise", "argmax_rows")?,
             step_argmax: f("pointwise", "step_argmax")?,
-            sample: if std::env::var("LILY_CUDA_SAMPLE").is_ok_and(|v| v == "0") {
+            sample: if switched_off("LILY_CUDA_SAMPLE") {
                 None
             } else {
                 Some(SampleKernels {
@@ -514,7 +513,7 @@ impl Kernels {
                 f("gdn", "gdn_recurrence_k128")?,
                 f("gdn", "gdn_recurrence_k256")?,
             ],
-            gdn_chunked: if std::env::var("LILY_CUDA_GDN_CHUNKED").is_ok_and(|v| v == "0") {
+            gdn_chunked: if switched_off("LILY_CUDA_GDN_CHUNKED") {
                 None
             } else {
                 let prep = f("gdn", "gdn_chunk_prep_d128")?;
@@ -981,6 +980,12 @@ pub fn gemv_smem_bytes(cols: usize) -> usize {
     4 * (cols + cols / 16)
 }
 
+/// Whether the environment switches a CUDA path off (`NAME=0`): the knobs that compare a kernel
+/// or a mechanism against the one before it.
+fn switched_off(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "0")
+}
+
 /// One token's 4-bit products on the integer tensor cores (kernels/quant.cu, `QxStaged`).
 struct GemvQx {
     /// A batch of matrices, a block per 32 rows (`QX_ROWS_PER_BLOCK`): the in-projections.
@@ -991,6 +996,8 @@ struct GemvQx {
 
 /// Rows of one block of `q4_gemv_batch_qx` (kernels/quant.cu: two tiles of 16).
 const QX_ROWS_PER_BLOCK: usize = 32;
+/// Rows one pass of a `q4_gemv_stream_qx` block takes (its 8 warps, a 16-row tile each).
+const QX_STREAM_ROWS_PER_BLOCK: usize = 128;
 
 /// Dynamic shared memory of x staged for the integer tensor cores (kernels/quant.cu, `QxStaged`):
 /// per 128-column round, 4 k-steps x 4 parts x 4 lanes of 8-byte fragments; per 64-column group
@@ -1232,7 +1239,7 @@ impl CudaBackend {
             .ctx
             .compute_capability()
             .is_ok_and(|(major, _)| major >= 9)
-            && std::env::var("LILY_CUDA_PDL").map_or(true, |v| v != "0");
+            && !switched_off("LILY_CUDA_PDL");
         Ok(CudaBackend {
             dev,
             k,
@@ -1241,11 +1248,11 @@ impl CudaBackend {
             mix_counters,
             ids_ready,
             chain,
-            chains: std::env::var("LILY_CUDA_CHAIN").map_or(true, |v| v != "0"),
+            chains: !switched_off("LILY_CUDA_CHAIN"),
             step: Mutex::new(StepState::default()),
             capturing: AtomicBool::new(false),
             bucket: AtomicUsize::new(0),
-            graphs: std::env::var("LILY_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            graphs: !switched_off("LILY_CUDA_GRAPHS"),
             pdl,
             attn_min_chunk: std::env::var("LILY_CUDA_ATTN_MIN_CHUNK")
                 .ok()
@@ -2794,7 +2801,7 @@ impl Backend for CudaBackend {
             .as_ref()
             .filter(|_| stream && x.rows == 1 && w.bits == 4);
         let (f, label, blocks, smem) = if let Some(GemvQx { stream: f, .. }) = qx {
-            let blocks = (2 * self.sms).min(w.rows.div_ceil(128));
+            let blocks = (2 * self.sms).min(w.rows.div_ceil(QX_STREAM_ROWS_PER_BLOCK));
             (f, "gemv_stream_qx", blocks, qx_smem_bytes(w.cols))
         } else if stream {
             (
