@@ -1379,6 +1379,36 @@ fn routing_breaks_ties_to_the_lowest_id() {
     assert!(err.to_string().contains("600 experts"), "{err}");
 }
 
+/// The routing kernel settles the top k from the keys at or above the k-th largest of its 32
+/// lanes' largest keys (lane l holds experts l, l + 32, ...), and falls back to k rounds of warp
+/// maxima when more than 32 keys reach that threshold. Large logits on the experts of a few lanes
+/// make it do so; random ones take the threshold path. Both must choose as the reference does.
+#[test]
+fn routing_with_its_largest_logits_in_few_lanes_matches() {
+    let Some((cpu, gpu)) = backends_or_skip("routing_with_its_largest_logits_in_few_lanes_matches")
+    else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(34);
+    for (e, k, lanes) in [(256, 8, 7), (256, 8, 1), (512, 10, 4), (512, 10, 0)] {
+        let t = 3;
+        let mut logits = randn(&mut rng, t * e, 1.0);
+        for (i, l) in logits.iter_mut().enumerate() {
+            if (i % e) % 32 < lanes {
+                *l += 10.0;
+            }
+        }
+        let rc = cpu.route(&up(&cpu, &logits, t, e), k, true).expect("cpu");
+        let rg = gpu.route(&up(&gpu, &logits, t, e), k, true).expect("gpu");
+        same_routing(
+            &format!("E={e} k={k}, the largest logits in {lanes} lanes"),
+            &gpu,
+            &rg,
+            &rc,
+        );
+    }
+}
+
 #[test]
 fn router_product_with_its_routing_matches() {
     let Some((cpu, gpu)) = backends_or_skip("router_product_with_its_routing_matches") else {

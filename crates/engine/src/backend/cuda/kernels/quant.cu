@@ -1213,14 +1213,69 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, con
     out[i] = acc;
 }
 
+// The top k of one warp's routing keys, largest first, where a threshold settles them in few
+// dependent steps: lane l holds key[i] for expert l + 32 i (pack_max, 0 for none or NaN); lane
+// j < top_k gets the j-th largest key's expert in `mine`. The threshold t is the k-th largest of
+// the 32 lanes' largest keys: those k keys are distinct and at least t, so the top k are among the
+// keys >= t (about 9 of 256 random logits for k = 8; at most 14 in 5,000 draws). The candidates go
+// to shared memory in lane order, each one's rank is the count of larger candidates, and the
+// expert of rank j goes to lane j: the same choice and order as route_token's rounds, which take
+// over (false returned, `mine` untouched) when fewer than k lanes hold a key or more than 32 keys
+// reach t. One warp of a block at a time (the candidates' shared memory).
+template <int KEYS>
+__device__ __forceinline__ bool top_k_by_threshold(const u64 (&key)[KEYS], int top_k, int& mine) {
+    const unsigned full = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    __shared__ u64 cand[32];
+    __shared__ int chosen[32];
+    u64 lm = key[0];
+#pragma unroll
+    for (int i = 1; i < KEYS; ++i) lm = max(lm, key[i]);
+    // lm's rank among the lanes' largest keys (equal ones are zeros: lanes without a key).
+    const u32 lm_hi = (u32)(lm >> 32), lm_lo = (u32)lm;
+    int rank = 0;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        const u64 o = ((u64)__shfl_sync(full, lm_hi, j) << 32) | __shfl_sync(full, lm_lo, j);
+        rank += o > lm;
+    }
+    const u32 at = __ballot_sync(full, rank == top_k - 1 && lm != 0);
+    if (at == 0) return false;
+    const int src = __ffs(at) - 1;
+    const u64 t = ((u64)__shfl_sync(full, lm_hi, src) << 32) | __shfl_sync(full, lm_lo, src);
+    const u32 below = (1u << lane) - 1u;
+    int n = 0, slot[KEYS];
+#pragma unroll
+    for (int i = 0; i < KEYS; ++i) {
+        const u32 b = __ballot_sync(full, key[i] >= t);
+        slot[i] = n + __popc(b & below);
+        n += __popc(b);
+    }
+    if (n > 32) return false;
+#pragma unroll
+    for (int i = 0; i < KEYS; ++i)
+        if (key[i] >= t) cand[slot[i]] = key[i];
+    __syncwarp();
+    const u64 c = lane < n ? cand[lane] : 0;
+    int r = 0;
+    for (int j = 0; j < n; ++j) r += cand[j] > c;
+    if (lane < n && r < top_k) chosen[r] = (int)(0xffffffffu - (u32)c);
+    __syncwarp();
+    if (lane < top_k) mine = chosen[lane];
+    __syncwarp();  // the next call's candidates overwrite these
+    return true;
+}
+
 // Softmax over one token's router logits l[experts], then the top k (ties to the lowest expert
 // id, comparing logits as the reference does), optionally renormalised over the chosen k; run by
 // one warp. Each (logit, id) is packed in a u64 that orders like the comparison (pack_max). Lane
-// l holds the keys of experts l, l + 32, ... (KEYS of them: experts <= 32 * KEYS) sorted largest
-// first, so its candidate is its first key. A round takes the warp's largest candidate by two
-// redux.sync maxima (the high words, then the low words of the lanes holding that high word), and
-// the lane that held it moves its next key up. Round j's expert goes to lane j (top_k <= 32),
-// which computes its probability; the total adds them in the order j = 0..k-1, as the reference.
+// l holds the keys of experts l, l + 32, ... (KEYS of them: experts <= 32 * KEYS). The top k come
+// from top_k_by_threshold where it settles them (decode +0.4-0.6%, docs/performance.md, session 34),
+// else from k rounds: each lane's keys sorted largest first, so its candidate is its first key, a
+// round takes the warp's largest candidate by two redux.sync maxima (the high words, then the low
+// words of the lanes holding that high word), and the lane that held it moves its next key up.
+// The j-th expert goes to lane j (top_k <= 32), which computes its probability; the total adds
+// them in the order j = 0..k-1, as the reference.
 template <int KEYS, bool WEIGHTS>
 __device__ __forceinline__ void route_token(const float* l, int experts, int top_k, int renormalize, int* ids,
                                             float* weights) {
@@ -1244,26 +1299,28 @@ __device__ __forceinline__ void route_token(const float* l, int experts, int top
             if (lane + 32 * i < experts) z += expf(v[i] - m);
         z = warp_sum(z);
     }
-    // Odd-even transposition sort, largest first.
-#pragma unroll
-    for (int r = 0; r < KEYS; ++r)
-#pragma unroll
-        for (int i = r & 1; i + 1 < KEYS; i += 2)
-            if (key[i] < key[i + 1]) {
-                const u64 t = key[i];
-                key[i] = key[i + 1];
-                key[i + 1] = t;
-            }
     int mine = 0;
-    for (int j = 0; j < top_k; ++j) {
-        const u32 hi = __reduce_max_sync(full, (u32)(key[0] >> 32));
-        const u32 lo = __reduce_max_sync(full, (u32)(key[0] >> 32) == hi ? (u32)key[0] : 0u);
-        const u64 best = ((u64)hi << 32) | lo;
-        if (lane == j) mine = best ? (int)(0xffffffffu - lo) : 0;  // all NaN: expert 0
-        if (best && key[0] == best) {
+    if (!top_k_by_threshold<KEYS>(key, top_k, mine)) {
+        // Odd-even transposition sort, largest first.
 #pragma unroll
-            for (int i = 0; i + 1 < KEYS; ++i) key[i] = key[i + 1];
-            key[KEYS - 1] = 0;
+        for (int r = 0; r < KEYS; ++r)
+#pragma unroll
+            for (int i = r & 1; i + 1 < KEYS; i += 2)
+                if (key[i] < key[i + 1]) {
+                    const u64 t = key[i];
+                    key[i] = key[i + 1];
+                    key[i + 1] = t;
+                }
+        for (int j = 0; j < top_k; ++j) {
+            const u32 hi = __reduce_max_sync(full, (u32)(key[0] >> 32));
+            const u32 lo = __reduce_max_sync(full, (u32)(key[0] >> 32) == hi ? (u32)key[0] : 0u);
+            const u64 best = ((u64)hi << 32) | lo;
+            if (lane == j) mine = best ? (int)(0xffffffffu - lo) : 0;  // all NaN: expert 0
+            if (best && key[0] == best) {
+#pragma unroll
+                for (int i = 0; i + 1 < KEYS; ++i) key[i] = key[i + 1];
+                key[KEYS - 1] = 0;
+            }
         }
     }
     if (!WEIGHTS) {
