@@ -35,6 +35,7 @@ for ctx in $CONTEXTS; do
       bin=${parts[0]}
       envs=("${parts[@]:1}")
       base="$OUT/ab-$name-$ctx-$round"
+      rm -f "$base.json"  # a failed run must not read an earlier call's JSON
       timeout "$RUN_TIMEOUT_S" env "${envs[@]}" "$bin" bench --model "$SYNTH" --device cuda \
         --prompt-len "$ctx" --decode-steps "$DECODE_STEPS" --json-out "$base.json" \
         >/dev/null 2>"$base.log"

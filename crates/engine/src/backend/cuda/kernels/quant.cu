@@ -1217,9 +1217,9 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, con
 // dependent steps: lane l holds key[i] for expert l + 32 i (pack_max, 0 for none or NaN); lane
 // j < top_k gets the j-th largest key's expert in `mine`. The threshold t is the k-th largest of
 // the 32 lanes' largest keys: those k keys are distinct and at least t, so the top k are among the
-// keys >= t (about 9 of 256 random logits for k = 8; at most 14 in 5,000 draws). The candidates go
-// to shared memory in lane order, each one's rank is the count of larger candidates, and the
-// expert of rank j goes to lane j: the same choice and order as route_token's rounds, which take
+// keys >= t (about 9 of 256 normal random logits for k = 8, at most 14 in 5,000 simulated
+// draws). The candidates go to shared memory in lane order, each one's rank is the count of larger
+// candidates, and the expert of rank j goes to lane j: the same choice and order as route_token's rounds, which take
 // over (false returned, `mine` untouched) when fewer than k lanes hold a key or more than 32 keys
 // reach t. One warp of a block at a time (the candidates' shared memory).
 template <int KEYS>
@@ -1232,17 +1232,12 @@ __device__ __forceinline__ bool top_k_by_threshold(const u64 (&key)[KEYS], int t
 #pragma unroll
     for (int i = 1; i < KEYS; ++i) lm = max(lm, key[i]);
     // lm's rank among the lanes' largest keys (equal ones are zeros: lanes without a key).
-    const u32 lm_hi = (u32)(lm >> 32), lm_lo = (u32)lm;
     int rank = 0;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        const u64 o = ((u64)__shfl_sync(full, lm_hi, j) << 32) | __shfl_sync(full, lm_lo, j);
-        rank += o > lm;
-    }
+    for (int j = 0; j < 32; ++j) rank += __shfl_sync(full, lm, j) > lm;
     const u32 at = __ballot_sync(full, rank == top_k - 1 && lm != 0);
     if (at == 0) return false;
-    const int src = __ffs(at) - 1;
-    const u64 t = ((u64)__shfl_sync(full, lm_hi, src) << 32) | __shfl_sync(full, lm_lo, src);
+    const u64 t = __shfl_sync(full, lm, __ffs(at) - 1);
     const u32 below = (1u << lane) - 1u;
     int n = 0, slot[KEYS];
 #pragma unroll
@@ -1259,7 +1254,7 @@ __device__ __forceinline__ bool top_k_by_threshold(const u64 (&key)[KEYS], int t
     const u64 c = lane < n ? cand[lane] : 0;
     int r = 0;
     for (int j = 0; j < n; ++j) r += cand[j] > c;
-    if (lane < n && r < top_k) chosen[r] = (int)(0xffffffffu - (u32)c);
+    if (lane < n && r < top_k) chosen[r] = packed_index(c);
     __syncwarp();
     if (lane < top_k) mine = chosen[lane];
     __syncwarp();  // the next call's candidates overwrite these
@@ -1315,7 +1310,7 @@ __device__ __forceinline__ void route_token(const float* l, int experts, int top
             const u32 hi = __reduce_max_sync(full, (u32)(key[0] >> 32));
             const u32 lo = __reduce_max_sync(full, (u32)(key[0] >> 32) == hi ? (u32)key[0] : 0u);
             const u64 best = ((u64)hi << 32) | lo;
-            if (lane == j) mine = best ? (int)(0xffffffffu - lo) : 0;  // all NaN: expert 0
+            if (lane == j) mine = packed_index(best);  // all NaN: expert 0
             if (best && key[0] == best) {
 #pragma unroll
                 for (int i = 0; i + 1 < KEYS; ++i) key[i] = key[i + 1];
