@@ -612,11 +612,8 @@ pub struct CudaBackend {
     /// `[token, position]` of the decode step being recorded or replayed: recorded kernels read
     /// them from here, so one recording serves every step.
     params: CudaSlice<i32>,
-    /// `moe_down_mix`'s ticket counters, one per block of rows (zero between launches: the
-    /// last block of each resets it).
-    mix_counters: CudaSlice<u32>,
     /// One token's expert ids handed from the gate/up kernel to the down kernel: the flag and
-    /// the down blocks that read it (zero between launches; kernels/quant.cu, `flagged_expert`).
+    /// the down blocks that read it (zero between launches; kernels/quant.cu, `flagged_routing`).
     ids_ready: CudaSlice<u32>,
     /// What chained decode steps choose with and hand to the host (`queue_decode_step`).
     chain: ChainBuffers,
@@ -1133,21 +1130,18 @@ const STREAM_MIN_BLOCKS_PER_SM: usize = 8;
 /// weights through the matrix-vector kernels, as decode does).
 const MMA_MIN_TOKENS: usize = 8;
 /// One token's MoE outputs mixed into the residual by `moe_down_mix` (kernels/quant.cu): rows
-/// per block (`MIX_ROWS`), the pairs it mixes at most with the shared expert's (all of them
-/// loaded at once: `MIX_LOADS`, kernels/common.cuh), and the blocks of rows its ticket counters
-/// serve.
-const MIX_ROWS_PER_BLOCK: usize = 64;
+/// per block (`MIX_ROWS`; also the count of the partial sums of squares it leaves, one a
+/// block), and the warps a block has at most, one a pair with the shared expert's (all of them
+/// loaded at once: `MIX_LOADS`, kernels/common.cuh).
+const MIX_ROWS_PER_BLOCK: usize = 16;
 const MIX_MAX_PAIRS: usize = 10;
-const MIX_COUNTERS: usize = 1024;
-const _: () = assert!(MIX_ROWS_PER_BLOCK == GEMV_SHAPES[2].rows_per_block);
+/// Dynamic shared memory a kernel may take without opting in.
+const DEFAULT_SMEM_BYTES: usize = 48 * 1024;
 
-/// Whether `moe_down_mix` takes a token's down products: rows of at most 16 vectors of codes
-/// (moe_down's h16 variant), fewer routed experts than its slots, and a counter for every block
-/// of rows.
-fn mix_fits(stride: usize, bits: u32, top_k: usize, hidden: usize) -> bool {
-    stride * bits as usize / 128 <= 16
-        && top_k < MIX_MAX_PAIRS
-        && hidden.div_ceil(MIX_ROWS_PER_BLOCK) <= MIX_COUNTERS
+/// Whether `moe_down_mix` takes a token's down products: fewer routed experts than its warps,
+/// and every pair's activations staged at once.
+fn mix_fits(stride: usize, top_k: usize) -> bool {
+    top_k < MIX_MAX_PAIRS && (top_k + 1) * gemv_smem_bytes(stride) <= DEFAULT_SMEM_BYTES
 }
 
 /// Where `moe_down_mix` puts one token's MoE output: x_out = x_in + the output, x_out * gains
@@ -1216,7 +1210,6 @@ impl CudaBackend {
         let dev = CudaDevice::open(ordinal)?;
         let k = Kernels::load(&dev)?;
         let params = zeroed(&dev, 2)?;
-        let mix_counters = zeroed(&dev, MIX_COUNTERS)?;
         let ids_ready = zeroed(&dev, 2)?;
         let event = || dev.ctx.new_event(None).map_err(driver("event"));
         let chain = ChainBuffers {
@@ -1245,7 +1238,6 @@ impl CudaBackend {
             k,
             sms,
             params,
-            mix_counters,
             ids_ready,
             chain,
             chains: !switched_off("LILY_CUDA_CHAIN"),
@@ -1550,7 +1542,7 @@ impl CudaBackend {
         let with_shared = shared.is_some();
         let all = pairs + if with_shared { t } else { 0 };
         let stride = inter.max(inter_s);
-        let mix = mix.filter(|_| t == 1 && mix_fits(stride, gate.bits, rt.top_k, hidden));
+        let mix = mix.filter(|_| t == 1 && mix_fits(stride, rt.top_k));
         if t == 0 {
             return Ok(MoeOut::Rows(self.tmp::<f32>(0)?, logit));
         }
@@ -1606,7 +1598,7 @@ impl CudaBackend {
         };
         // One token's down-and-mix kernel (`mix` is only ever one token's, so the gate/up above
         // is the stream kernel) loads its experts' weights as soon as the gate/up kernel has
-        // routed the token (`flagged_expert`, kernels/quant.cu). Not when the launches are
+        // routed the token (`flagged_routing`, kernels/quant.cu). Not when the launches are
         // replayed alone (nothing would set the flag), nor when the gate/up is left out of the
         // step.
         let ids_ready = if mix.is_some() && !self.replayed() && !self.is_left_out(label) {
@@ -1655,15 +1647,14 @@ impl CudaBackend {
         }?;
         let down_bytes =
             pairs as u64 * qbytes(hidden, inter, down.bits) + shared_bytes(hidden, inter_s);
-        let y = self.tmp::<f32>(all * hidden)?;
         if let Some(m) = mix {
             launch!(
                 self,
                 self.k.moe_down_mix[b],
                 cfg(
-                    (hidden.div_ceil(MIX_ROWS_PER_BLOCK) as u32, all as u32),
-                    256,
-                    gemv_smem_bytes(stride)
+                    (hidden.div_ceil(MIX_ROWS_PER_BLOCK) as u32, 1),
+                    32 * all as u32,
+                    all * gemv_smem_bytes(stride)
                 ),
                 [
                     self.qarg(down),
@@ -1672,13 +1663,11 @@ impl CudaBackend {
                     self.ptr(&rt.weights),
                     logit,
                     act.ptr,
-                    y.ptr,
                     m.x_in,
                     m.x_out,
                     m.gains,
                     m.input,
                     m.partials,
-                    self.ptr(&self.mix_counters),
                     rt.top_k as i32,
                     inter as i32,
                     inter_s as i32,
@@ -1689,6 +1678,7 @@ impl CudaBackend {
             )?;
             return Ok(MoeOut::Mixed);
         }
+        let y = self.tmp::<f32>(all * hidden)?;
         let GemvShape {
             variant,
             rows_per_block,

@@ -45,12 +45,14 @@ __device__ __forceinline__ float code_value(u32 word, u32 shifted, int j) {
 //     order the loop used to sum it.
 // One thread per vector (four words). Shared memory: gemv_smem_bytes(cols) in mod.rs. `scale(v)`
 // multiplies vector v's values as they are read (stage_x: none; a HeadNorm: its head's norm).
+// stage_x_by: the vectors v = first, first + step, ... (a warp staging a row of its own).
 template <int BITS, class Scale>
-__device__ __forceinline__ void stage_x_scaled(float* xs, const float* __restrict__ x, int cols, Scale scale) {
+__device__ __forceinline__ void stage_x_scaled_by(float* xs, const float* __restrict__ x, int cols, Scale scale,
+                                                  int first, int step) {
     constexpr int PER_WORD = 32 / BITS;
     const int words = cols / PER_WORD, vecs = words / 4;
     float* xsum = xs + cols;
-    for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+    for (int v = first; v < vecs; v += step) {
         const float4* src = reinterpret_cast<const float4*>(x + (size_t)v * 4 * PER_WORD);
         float f[4][PER_WORD];
 #pragma unroll
@@ -77,9 +79,19 @@ __device__ __forceinline__ void stage_x_scaled(float* xs, const float* __restric
     }
 }
 
+template <int BITS, class Scale>
+__device__ __forceinline__ void stage_x_scaled(float* xs, const float* __restrict__ x, int cols, Scale scale) {
+    stage_x_scaled_by<BITS>(xs, x, cols, scale, (int)threadIdx.x, (int)blockDim.x);
+}
+
 template <int BITS>
 __device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, int cols) {
     stage_x_scaled<BITS>(xs, x, cols, [](int) { return 1.f; });
+}
+
+template <int BITS>
+__device__ __forceinline__ void stage_x_by(float* xs, const float* __restrict__ x, int cols, int first, int step) {
+    stage_x_scaled_by<BITS>(xs, x, cols, [](int) { return 1.f; }, first, step);
 }
 
 // One token's input row normed lazily: rmsnorm(x) * gains, where the kernel that wrote the
@@ -742,8 +754,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) q4_gemv_stream_qx(QMat w, c
     }
 }
 
-// ---- the last block. Work that needs other blocks' results (the mix of a block of rows' expert
-// outputs) is done by the block that finishes last instead of in a launch of its own.
+// ---- loads and flags across blocks and kernels.
 
 // A load from L2, past this SM's L1 (which may hold an older copy of a buffer another SM wrote).
 __device__ __forceinline__ float load_cg(const float* p) {
@@ -764,26 +775,6 @@ __device__ __forceinline__ u32 load_acquire(const u32* p) {
 }
 __device__ __forceinline__ void store_release(u32* p, u32 v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// Whether this block is the last of `blocks` blocks to get here, by a ticket from `counter`
-// (zero between launches: the last block sets it back). Every thread of the block must call it
-// (none may have exited), after its stores that the last block reads: they are made visible
-// device-wide before the block takes its ticket, by the barrier and then one thread's fence (a
-// fence is cumulative: it orders the block's stores that the barrier ordered before it, as
-// cooperative groups' grid barrier does). A fence in every thread stalled the expert down's warps
-// 7% of their cycles (Nsight Compute, session 18).
-__device__ __forceinline__ bool last_block(u32* counter, u32 blocks) {
-    __shared__ u32 ticket;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        ticket = atomicAdd(counter, 1u);
-    }
-    __syncthreads();
-    const bool last = ticket == blocks - 1;
-    if (last && threadIdx.x == 0) *counter = 0;
-    return last;
 }
 
 // The sum over the block of each thread's v into partials[blockIdx.x] (RowNorm's partial sums of
@@ -962,7 +953,7 @@ __device__ __forceinline__ void moe_gate_up(QMat gate, QMat up, QMat sgate, QMat
 // reading the ids. A kernel for each KEYS (up to 256 experts, up to 512): with both routings in
 // one, its code was 94 KB against 56, and its warps waited for instructions 10.6% of their cycles
 // (Nsight Compute, session 18). With `ids_ready`, the last block flags the ids to the down kernel
-// once they are written (flagged_expert, below).
+// once they are written (flagged_routing, below).
 template <int BITS, int KEYS>
 __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgate, QMat sup, int* ids,
                                                    const float* x, float* act, int pairs, int inter, int inter_s,
@@ -1012,11 +1003,11 @@ __device__ __forceinline__ void moe_gate_up_stream(QMat gate, QMat up, QMat sgat
             weights[threadIdx.x] = routed_weights[threadIdx.x];
         }
     }
-    // It tells the expert down kernel that the ids are written (flagged_expert, below).
+    // It tells the expert down kernel that the ids are written (flagged_routing, below).
     if (ids_ready && publisher) {
         __syncthreads();
         if (threadIdx.x == 0) {
-            __threadfence();  // the block's ids writes, ordered by the barrier (as last_block)
+            __threadfence();  // the block's ids writes, ordered by the barrier (cumulative)
             store_release(ids_ready, 1u);
         }
     }
@@ -1054,56 +1045,48 @@ MOE_GATE_UP_STREAM(q8_moe_gate_up_stream, 8, 8)
 MOE_GATE_UP_STREAM(q4_moe_gate_up_stream_e512, 4, 16)
 MOE_GATE_UP_STREAM(q8_moe_gate_up_stream_e512, 8, 16)
 
-// One token's routed expert ids handed from the gate/up kernel (moe_gate_up_stream) to the down
-// kernel before the gate/up kernel has finished: its last block sets ids_ready[0] (release) once it
-// has written the ids, and each routed block of the down kernel reads the flag (acquire) and its
-// expert's id, then loads its weights before its wait for the gate/up outputs. The routed blocks
-// count themselves in ids_ready[1]; the last to read clears both words, so the flag is zero between
-// launches. The flag is set before its block lets the down kernel launch (pdl_launch_dependents,
-// which the down kernel waits for from every gate/up block), so the wait is short and cannot hang.
-// The weights then load during the gate/up kernel's last rows: decode +1.6-2.6%
-// (docs/performance.md, session 20).
-// Pair p's expert, once the flag is set. Every thread of the down kernel's routed blocks calls
-// it; `readers` is the number of those blocks.
-__device__ __forceinline__ int flagged_expert(u32* ids_ready, const int* ids, int p, u32 readers) {
-    __shared__ int id;
-    if (threadIdx.x == 0) {
-        while (load_acquire(ids_ready) == 0u) {
-        }
-        id = load_cg(ids + p);
-        if (atomicAdd(ids_ready + 1, 1u) == readers - 1u) {
-            ids_ready[1] = 0u;
-            ids_ready[0] = 0u;
-        }
+// One token's routing handed from the gate/up kernel (moe_gate_up_stream) to the down kernel
+// (moe_down_mix) before the gate/up kernel has finished: its last block sets ids_ready[0]
+// (release) once it has written the ids and weights, and one warp of each down block reads the
+// flag (acquire) and the routing, then the block loads its weights before its wait for the
+// gate/up outputs. The down blocks count themselves in ids_ready[1]; the last to read clears both
+// words, so the flag is zero between launches. The flag is set before its block lets the down
+// kernel launch (pdl_launch_dependents, which the down kernel waits for from every gate/up block),
+// so the wait is short and cannot hang. The weights then load during the gate/up kernel's last
+// rows: decode +1.6-2.6% (docs/performance.md, session 20).
+// Called by one whole warp of each of `readers` blocks: the routing into ids_out and weights_out.
+__device__ __forceinline__ void flagged_routing(u32* ids_ready, const int* ids, const float* weights, int top_k,
+                                                u32 readers, int* ids_out, float* weights_out) {
+    const int lane = threadIdx.x & 31;
+    while (load_acquire(ids_ready) == 0u) {
     }
-    __syncthreads();
-    return id;
+    if (lane < top_k) {
+        ids_out[lane] = load_cg(ids + lane);
+        weights_out[lane] = load_cg(weights + lane);
+    }
+    if (lane == 0 && atomicAdd(ids_ready + 1, 1u) == readers - 1u) {
+        ids_ready[1] = 0u;
+        ids_ready[0] = 0u;
+    }
 }
 
 // y[p][r] = down[r] . act[p]. Launch with 256 threads, (ceil(hidden / ROWS_PER_BLOCK),
-// pairs + tokens) blocks, gemv_smem_bytes(stride) of shared memory. With `ids_ready` (one token
-// after moe_gate_up_stream), a routed block's weights are loaded before the wait (flagged_expert).
+// pairs + tokens) blocks, gemv_smem_bytes(stride) of shared memory.
 template <int BITS, int R, int U, int LANES>
 __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, const float* act, float* y,
-                                         int pairs, int inter, int inter_s, int hidden, u32* ids_ready = nullptr) {
+                                         int pairs, int inter, int inter_s, int hidden) {
     extern __shared__ float xs[];
     const int p = blockIdx.y;
     const bool shared = p >= pairs;
     const int cols = shared ? inter_s : inter;
     QMat d = sdown;
     if (!shared) {
-        int e;
-        if (ids_ready) {
-            e = flagged_expert(ids_ready, ids, p, gridDim.x * (u32)pairs);
-        } else {
-            pdl_wait();
-            e = ids[p];
-        }
-        d = expert_slice<BITS>(down, (size_t)e, hidden, inter);
+        pdl_wait();
+        d = expert_slice<BITS>(down, (size_t)ids[p], hidden, inter);
     }
     QRows<BITS, R, U, LANES> m(d, first_row<R, LANES>(warp_in_grid()), hidden, cols);
     m.load(0);
-    if (shared || ids_ready) pdl_wait();
+    if (shared) pdl_wait();
     stage_x<BITS>(xs, act + (size_t)p * max(inter, inter_s), cols);
     __syncthreads();
     pdl_launch_dependents();  // only now: see "When the next kernel launches"
@@ -1145,57 +1128,106 @@ __device__ __forceinline__ void moe_down(QMat down, QMat sdown, const int* ids, 
     }
 GEMV_VARIANTS(MOE_KERNELS)
 
-// moe_down for one token (its h16 shape: MIX_ROWS rows a block, four per half warp), then its
-// outputs mixed as moe_combine_add_rms_norm mixes them (the same sums, in the same order) and
-// added to the residual: x_out = x_in + mix, whose next norm (gains `gains`) is left to the
-// products that read it (RowNorm: x_out * gains into xg, each block of rows' sum of squares into
-// partials[blockIdx.x]). A block of rows is mixed by the last of its pairs' blocks to finish (a
-// ticket from counters[blockIdx.x]), one thread a row, reading the other blocks' outputs from L2.
-// Launch as moe_down's h16 variant, with (ceil(hidden / MIX_ROWS), top_k + shared) blocks;
-// `ids_ready` as moe_down's (or null).
-#define MIX_ROWS 64
+// One token's expert down products mixed into the residual in one launch: x_out = x_in + mix,
+// mixed as moe_combine_add_rms_norm mixes (the same sums, in the same order), whose next norm
+// (gains `gains`) is left to the products that read it (RowNorm: x_out * gains into xg, each
+// block's sum of squares into partials[blockIdx.x]). A block takes MIX_ROWS rows of every pair:
+// warp w the rows of pair w (the routed pairs, then the shared expert), MIX_ROWS / 2 a half warp;
+// each warp stages its own pair's activations, and the warps meet once, at the mix, in shared
+// memory. The form before it (moe_down's blocks, one a pair and 64 rows, the last of a block of
+// rows' nine to finish mixing them after a fence, a ticket and a reload of the outputs from L2)
+// was 0.5-1.3% slower in decode; 8 rows a block (twice the activations' staging from L2) 0.6%
+// slower than that (docs/performance.md, session 35). With `ids_ready` (after
+// moe_gate_up_stream) the routed ids and weights are read once the gate/up flags them and the
+// weights are loaded before the wait; without it, after the wait. Launch with 32 * (top_k +
+// shared) threads, ceil(hidden / MIX_ROWS) blocks, (top_k + shared) * gemv_smem_bytes(max(inter,
+// inter_s)) of shared memory. One block an SM: ptxas takes ~165 registers, and capping them at
+// 128 or 112 (so that the next kernel's blocks fit beside it) spilled and was slower.
+#define MIX_ROWS 16
 template <int BITS>
 __device__ __forceinline__ void moe_down_mix(QMat down, QMat sdown, const int* ids, const float* weights,
-                                             const float* shared_logit, const float* act, float* y,
-                                             const float* x_in, float* x_out, const float* gains, float* xg,
-                                             float* partials, u32* counters, int top_k, int inter, int inter_s,
-                                             int hidden, u32* ids_ready) {
-    moe_down<BITS, 4, 1, 16>(down, sdown, ids, act, y, top_k, inter, inter_s, hidden, ids_ready);
-    if (!last_block(counters + blockIdx.x, gridDim.y)) return;
-    const int row = blockIdx.x * MIX_ROWS + threadIdx.x;
+                                             const float* shared_logit, const float* act, const float* x_in,
+                                             float* x_out, const float* gains, float* xg, float* partials,
+                                             int top_k, int inter, int inter_s, int hidden, u32* ids_ready) {
+    static_assert(MIX_ROWS % 2 == 0 && MIX_ROWS <= 32, "a half warp's rows; the first warp mixes them");
+    constexpr int R = MIX_ROWS / 2;
+    extern __shared__ float xs_all[];
+    __shared__ int pair_expert[32];
+    __shared__ float pair_weight[32], gate_logit, y[32][MIX_ROWS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool shared = warp == top_k;
+    const int cols = shared ? inter_s : inter, stride = max(inter, inter_s);
+    float* xs = xs_all + (size_t)warp * (stride + stride / 16);
+    const int first = blockIdx.x * MIX_ROWS, row = first + (int)threadIdx.x;
+    const bool mixer = threadIdx.x < MIX_ROWS && row < hidden;
+    // The residual and the shared gate's logit were written two and more kernels back (finished
+    // before the gate/up kernel let this one launch); the routed ids and weights once flagged.
+    float x0 = 0.f, g0 = 0.f;
+    if (ids_ready && mixer) {
+        x0 = x_in[row];
+        g0 = gains[row];
+    }
+    if (warp == 0) {
+        if (ids_ready) {
+            flagged_routing(ids_ready, ids, weights, top_k, gridDim.x, pair_expert, pair_weight);
+        } else {
+            pdl_wait();
+            if (lane < top_k) {
+                pair_expert[lane] = ids[lane];
+                pair_weight[lane] = weights[lane];
+            }
+        }
+        if (lane == 0 && sdown.codes) gate_logit = load_cg(shared_logit);
+    }
+    // The shared expert's rows are requested before the barrier, a routed pair's once its expert
+    // is known.
+    QRows<BITS, R, 1, 16> m(sdown, first + (lane >> 4) * R, hidden, cols);
+    if (shared) m.load(0);
+    __syncthreads();
+    if (!shared) {
+        m.w = expert_slice<BITS>(down, (size_t)pair_expert[warp], hidden, inter);
+        m.load(0);
+    }
+    pdl_wait();
+    if (!ids_ready && mixer) {
+        x0 = x_in[row];
+        g0 = gains[row];
+    }
+    stage_x_by<BITS>(xs, act + (size_t)warp * stride, cols, lane, 32);
+    __syncwarp();
+    pdl_launch_dependents();  // only now: see "When the next kernel launches"
+    float acc[R] = {};
+    m.run(xs, acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+        if ((lane & 15) == 0) y[warp][(lane >> 4) * R + r] = acc[r];
+    __syncthreads();
+    // The mix and the block's sum of squares are the first warp's alone.
+    if (warp != 0) return;
     float sq = 0.f;
-    if (threadIdx.x < MIX_ROWS && row < hidden) {
-        // The pairs' outputs (the shared expert's after them) from L2: other blocks wrote them.
-        const float acc = moe_mix(
-            weights, top_k, sdown.codes ? shared_logit : nullptr,
-            [&](int j) { return load_cg(y + (size_t)j * hidden + row); },
-            [&] { return load_cg(y + (size_t)top_k * hidden + row); });
-        const float v = x_in[row] + acc;
+    if (mixer) {
+        const int t = threadIdx.x;
+        const float mix = moe_mix(pair_weight, top_k, sdown.codes ? &gate_logit : nullptr,
+                                  [&](int j) { return y[j][t]; }, [&] { return y[top_k][t]; });
+        const float v = x0 + mix;
         x_out[row] = v;
-        xg[row] = v * gains[row];
+        xg[row] = v * g0;
         sq = v * v;
     }
-    block_total_to(partials, sq);
+    sq = warp_sum(sq);
+    if (lane == 0) partials[blockIdx.x] = sq;
 }
 
-extern "C" __global__ void GEMV_BOUNDS(3) q4_moe_down_mix(QMat down, QMat sdown, const int* ids,
-                                                          const float* weights, const float* shared_logit,
-                                                          const float* act, float* y, const float* x_in,
-                                                          float* x_out, const float* gains, float* xg,
-                                                          float* partials, u32* counters, int top_k, int inter,
-                                                          int inter_s, int hidden, u32* ids_ready) {
-    moe_down_mix<4>(down, sdown, ids, weights, shared_logit, act, y, x_in, x_out, gains, xg, partials, counters,
-                    top_k, inter, inter_s, hidden, ids_ready);
-}
-extern "C" __global__ void GEMV_BOUNDS(3) q8_moe_down_mix(QMat down, QMat sdown, const int* ids,
-                                                          const float* weights, const float* shared_logit,
-                                                          const float* act, float* y, const float* x_in,
-                                                          float* x_out, const float* gains, float* xg,
-                                                          float* partials, u32* counters, int top_k, int inter,
-                                                          int inter_s, int hidden, u32* ids_ready) {
-    moe_down_mix<8>(down, sdown, ids, weights, shared_logit, act, y, x_in, x_out, gains, xg, partials, counters,
-                    top_k, inter, inter_s, hidden, ids_ready);
-}
+#define MOE_DOWN_MIX(NAME, BITS)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * MIX_LOADS, 1)                                        \
+        NAME(QMat down, QMat sdown, const int* ids, const float* weights, const float* shared_logit,          \
+             const float* act, const float* x_in, float* x_out, const float* gains, float* xg, float* partials, \
+             int top_k, int inter, int inter_s, int hidden, u32* ids_ready) {                                  \
+        moe_down_mix<BITS>(down, sdown, ids, weights, shared_logit, act, x_in, x_out, gains, xg, partials,     \
+                           top_k, inter, inter_s, hidden, ids_ready);                                          \
+    }
+MOE_DOWN_MIX(q4_moe_down_mix, 4)
+MOE_DOWN_MIX(q8_moe_down_mix, 8)
 
 // out[t][c] = sum_j weights[t*k+j] * y[t*k+j][c] (in the order j = 0..k-1, as the reference
 // adds), then + sigmoid(shared_logit[t]) * y[pairs + t][c] when there is a shared expert.
