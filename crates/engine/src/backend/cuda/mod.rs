@@ -1135,13 +1135,12 @@ const MMA_MIN_TOKENS: usize = 8;
 /// loaded at once: `MIX_LOADS`, kernels/common.cuh).
 const MIX_ROWS_PER_BLOCK: usize = 16;
 const MIX_MAX_PAIRS: usize = 10;
-/// Dynamic shared memory a kernel may take without opting in.
-const DEFAULT_SMEM_BYTES: usize = 48 * 1024;
 
-/// Whether `moe_down_mix` takes a token's down products: fewer routed experts than its warps,
-/// and every pair's activations staged at once.
-fn mix_fits(stride: usize, top_k: usize) -> bool {
-    top_k < MIX_MAX_PAIRS && (top_k + 1) * gemv_smem_bytes(stride) <= DEFAULT_SMEM_BYTES
+/// Whether `moe_down_mix` takes a token's down products: rows of at most 16 vectors of codes
+/// (one round of its half warps' loads: the shapes its parity test runs; the kernel would walk
+/// wider rows, which no test has run on a GPU yet), and fewer routed experts than its warps.
+fn mix_fits(stride: usize, bits: u32, top_k: usize) -> bool {
+    stride * bits as usize / 128 <= 16 && top_k < MIX_MAX_PAIRS
 }
 
 /// Where `moe_down_mix` puts one token's MoE output: x_out = x_in + the output, x_out * gains
@@ -1542,7 +1541,7 @@ impl CudaBackend {
         let with_shared = shared.is_some();
         let all = pairs + if with_shared { t } else { 0 };
         let stride = inter.max(inter_s);
-        let mix = mix.filter(|_| t == 1 && mix_fits(stride, rt.top_k));
+        let mix = mix.filter(|_| t == 1 && mix_fits(stride, down.bits, rt.top_k));
         if t == 0 {
             return Ok(MoeOut::Rows(self.tmp::<f32>(0)?, logit));
         }
