@@ -972,7 +972,8 @@ fn check_routing(experts: usize, top_k: usize) -> Result<()> {
 }
 
 /// Dynamic shared memory of a matrix-vector block over `cols` columns (kernels/quant.cu,
-/// stage_x): x itself, then one sum per vector of codes (16 columns at 8 bits, 32 at 4).
+/// stage_x): x itself, then one sum per vector of codes (16 columns at 8 bits, 32 at 4); the
+/// kernels' `staged_x_floats` is the same count in floats.
 pub fn gemv_smem_bytes(cols: usize) -> usize {
     4 * (cols + cols / 16)
 }

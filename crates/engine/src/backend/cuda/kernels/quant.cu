@@ -89,6 +89,10 @@ __device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ x, 
     stage_x_scaled<BITS>(xs, x, cols, [](int) { return 1.f; });
 }
 
+// The floats a staged row of `cols` takes: gemv_smem_bytes(cols) / 4 (mod.rs), for a kernel that
+// stages several rows side by side.
+__device__ __forceinline__ constexpr int staged_x_floats(int cols) { return cols + cols / 16; }
+
 template <int BITS>
 __device__ __forceinline__ void stage_x_by(float* xs, const float* __restrict__ x, int cols, int first, int step) {
     stage_x_scaled_by<BITS>(xs, x, cols, [](int) { return 1.f; }, first, step);
@@ -1157,7 +1161,7 @@ __device__ __forceinline__ void moe_down_mix(QMat down, QMat sdown, const int* i
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool shared = warp == top_k;
     const int cols = shared ? inter_s : inter, stride = max(inter, inter_s);
-    float* xs = xs_all + (size_t)warp * (stride + stride / 16);
+    float* xs = xs_all + (size_t)warp * staged_x_floats(stride);
     const int first = blockIdx.x * MIX_ROWS, row = first + (int)threadIdx.x;
     const bool mixer = threadIdx.x < MIX_ROWS && row < hidden;
     // The residual and the shared gate's logit were written two and more kernels back (finished
