@@ -1510,11 +1510,13 @@ fn moe_block_with_the_shared_expert_matches() {
     let mut rng = StdRng::seed_from_u64(30);
     // (experts, top_k, hidden, expert intermediate, shared intermediate, bits): the 35B shape;
     // tiny-alt's, whose shared expert is narrower than its experts; 8-bit experts with top 9, the
-    // most pairs one token's fused down-and-mix kernel holds (`moe_down_mix`).
+    // most pairs one token's fused down-and-mix kernel holds (`moe_down_mix`); expert rows of 32
+    // vectors of codes, which that kernel's half warps walk in two rounds.
     for (e, k, hidden, inter, inter_s, bits) in [
         (256, 8, 2048, 512, 512, 4),
         (8, 4, 192, 128, 64, 4),
         (16, 9, 320, 256, 128, 8),
+        (16, 4, 256, 1024, 512, 4),
     ] {
         let w = [
             qweight(&mut rng, e * inter, hidden, bits),

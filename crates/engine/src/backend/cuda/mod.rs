@@ -1137,11 +1137,11 @@ const MMA_MIN_TOKENS: usize = 8;
 const MIX_ROWS_PER_BLOCK: usize = 16;
 const MIX_MAX_PAIRS: usize = 10;
 
-/// Whether `moe_down_mix` takes a token's down products: rows of at most 16 vectors of codes
-/// (one round of its half warps' loads: the shapes its parity test runs; the kernel would walk
-/// wider rows, which no test has run on a GPU yet), and fewer routed experts than its warps.
-fn mix_fits(stride: usize, bits: u32, top_k: usize) -> bool {
-    stride * bits as usize / 128 <= 16 && top_k < MIX_MAX_PAIRS
+/// Whether `moe_down_mix` takes a token's down products: fewer routed experts than its warps,
+/// and every pair's staged activations (the shared expert's too) within a launch's shared memory.
+/// Rows wider than one round of its half warps' loads (16 vectors of codes) are walked.
+fn mix_fits(stride: usize, top_k: usize) -> bool {
+    top_k < MIX_MAX_PAIRS && (top_k + 1) * gemv_smem_bytes(stride) <= SMEM_LIMIT
 }
 
 /// Where `moe_down_mix` puts one token's MoE output: x_out = x_in + the output, x_out * gains
@@ -1542,7 +1542,7 @@ impl CudaBackend {
         let with_shared = shared.is_some();
         let all = pairs + if with_shared { t } else { 0 };
         let stride = inter.max(inter_s);
-        let mix = mix.filter(|_| t == 1 && mix_fits(stride, down.bits, rt.top_k));
+        let mix = mix.filter(|_| t == 1 && mix_fits(stride, rt.top_k));
         if t == 0 {
             return Ok(MoeOut::Rows(self.tmp::<f32>(0)?, logit));
         }
