@@ -628,7 +628,8 @@ struct GdnLayer {
 /// the residual with the next norm) over chunks of tokens `(h, x)` from a fresh state. Per chunk:
 /// the conv output, z, a, b, the gated norm of the recurrence's output, the residual and its
 /// norm; then the final window and state. One token takes CUDA's lazy norm: the recurrence
-/// leaves it to the output projection's staging (and the download makes it plain).
+/// leaves it to the output projection's staging (and the download makes it plain); on the 35B
+/// shape its conv runs in the in-projections' writers.
 fn gdn_mixer_on<B: Backend>(
     b: &B,
     sh: &GdnShape,
@@ -652,12 +653,17 @@ fn gdn_mixer_on<B: Backend>(
     let mut outs = Vec::new();
     for (h, x) in chunks {
         let t = h.len() / hidden;
-        let [raw, z, a, beta] = engine::backend::products(
-            b.qmatmul_many(&up(b, h, t, hidden), &in_proj.each_ref())
-                .expect("in-projections"),
+        let [qkv, z, a, beta] = engine::backend::products(
+            b.qmatmul_many_conv1d_silu(
+                &up(b, h, t, hidden),
+                &in_proj.each_ref(),
+                &conv,
+                &mut st,
+                sh,
+            )
+            .expect("in-projections with the conv"),
         )
         .expect("four products");
-        let qkv = b.conv1d_silu(&raw, &conv, &mut st, sh).expect("conv");
         let gated = b
             .gdn_recurrence_gated_norm(
                 &qkv,

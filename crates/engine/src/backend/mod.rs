@@ -158,6 +158,26 @@ pub trait Backend: Send + Sync + 'static {
     fn qmatmul_many(&self, x: &Self::Tensor, ws: &[&Self::QMatrix]) -> Result<Vec<Self::Tensor>> {
         ws.iter().map(|w| self.qmatmul(x, w)).collect()
     }
+    /// A GDN layer's in-projections: `qmatmul_many`, then `conv1d_silu` of the first product
+    /// (the q, k and v channels) with the taps `conv` and the state's window. A GPU takes one
+    /// token's conv in the products' launch.
+    fn qmatmul_many_conv1d_silu(
+        &self,
+        x: &Self::Tensor,
+        ws: &[&Self::QMatrix],
+        conv: &Self::Vector,
+        state: &mut Self::GdnState,
+        shape: &GdnShape,
+    ) -> Result<Vec<Self::Tensor>> {
+        let mut outs = self.qmatmul_many(x, ws)?;
+        let Some(channels) = outs.first_mut() else {
+            return Err(Error::Backend(
+                "qmatmul_many_conv1d_silu: no matrices".into(),
+            ));
+        };
+        *channels = self.conv1d_silu(channels, conv, state, shape)?;
+        Ok(outs)
+    }
     /// The residual add fused with the next norm: `x += y`, then `rmsnorm(x) * w`.
     fn add_rms_norm(
         &self,

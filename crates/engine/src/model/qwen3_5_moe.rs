@@ -256,11 +256,14 @@ impl<B: Backend> Qwen35Moe<B> {
         s: &mut B::GdnState,
     ) -> Result<B::Tensor> {
         let sh = &self.gdn_shape;
-        let [qkv, z, a, beta_logit] = products(b.qmatmul_many(
+        // qkv = silu(causal conv of h @ in_proj_qkv^T), its window in s
+        let [qkv, z, a, beta_logit] = products(b.qmatmul_many_conv1d_silu(
             h,
             &[&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_a, &w.in_proj_b],
+            &w.conv,
+            s,
+            sh,
         )?)?;
-        let qkv = b.conv1d_silu(&qkv, &w.conv, s, sh)?;
         // rmsnorm(y) * norm * silu(z) per value head, y the gated delta rule's output
         b.gdn_recurrence_gated_norm(
             &qkv,

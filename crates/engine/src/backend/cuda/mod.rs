@@ -207,6 +207,24 @@ struct GdnGateArg {
 // SAFETY: repr(C), four u64, no padding.
 unsafe impl bytemuck::NoUninit for GdnGateArg {}
 
+/// A `ConvTail` kernel parameter (kernels/quant.cu): a GDN layer's conv taps and window and its
+/// channel count, taken by one token's in-projections; all zero for none.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct ConvTailArg {
+    taps: u64,
+    window: u64,
+    channels: i32,
+    _pad: u32,
+}
+
+// SAFETY: repr(C), two u64 then two 4-byte fields, no padding.
+unsafe impl bytemuck::NoUninit for ConvTailArg {}
+
+/// The conv kernel size one token's in-projections take in their writers (`CONV_K_FUSED`,
+/// kernels/quant.cu); other sizes launch conv1d_silu.
+const CONV_K_FUSED: usize = 4;
+
 /// A quantized matrix (or expert stack) in device memory, in the checkpoint's layout.
 pub struct CudaQMatrix {
     pub name: String,
@@ -620,6 +638,9 @@ pub struct CudaBackend {
     /// `LILY_CUDA_CHAIN=0` steps one token at a time, reading each before the next step (to
     /// compare the two).
     chains: bool,
+    /// `LILY_CUDA_CONV_IN_PRODUCTS=0` launches one token's GDN conv on its own after the
+    /// in-projections instead of in their writers (to compare the two).
+    conv_in_products: bool,
     step: Mutex<StepState>,
     /// Set while a decode step is being recorded: temporaries come from the arena, and the
     /// position-dependent kernels read `params`.
@@ -1241,6 +1262,7 @@ impl CudaBackend {
             ids_ready,
             chain,
             chains: !switched_off("LILY_CUDA_CHAIN"),
+            conv_in_products: !switched_off("LILY_CUDA_CONV_IN_PRODUCTS"),
             step: Mutex::new(StepState::default()),
             capturing: AtomicBool::new(false),
             bucket: AtomicUsize::new(0),
@@ -1274,6 +1296,102 @@ impl CudaBackend {
             Some(d) => self.launch_route(self.ptr(&d.logits.buf), rt, d.renormalize),
             None => Ok(()),
         }
+    }
+
+    /// `qmatmul_many` (the trait's), and with `conv` (taps non-zero) the conv of the first
+    /// matrix's rows where its launch is the integer tensor cores' batch (`ConvTail`,
+    /// kernels/quant.cu); returns whether it took the conv.
+    fn products_and_conv(
+        &self,
+        x: &CudaTensor,
+        ws: &[&CudaQMatrix],
+        conv: ConvTailArg,
+    ) -> Result<(Vec<CudaTensor>, bool)> {
+        if x.rows >= MMA_MIN_TOKENS {
+            plain!(self, x);
+            // One split of the input serves every product; consecutive matrices of one bit
+            // width share a launch (at most four per launch).
+            let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
+            let mut outs = Vec::with_capacity(ws.len());
+            for group in ws.chunk_by(|a, b| a.bits == b.bits) {
+                for part in group.chunks(4) {
+                    outs.extend(self.qmma(&split, x.cols, part, x.rows)?);
+                }
+            }
+            return Ok((outs, false));
+        }
+        if x.rows != 1 {
+            let outs = ws
+                .iter()
+                .map(|w| self.qmatmul(x, w))
+                .collect::<Result<_>>()?;
+            return Ok((outs, false));
+        }
+        let (_x_held, x_ptr, nrm) = self.row_input(x)?;
+        let mut outs = Vec::with_capacity(ws.len());
+        let mut convolved = false;
+        // Consecutive matrices of one bit width share a launch (at most four per launch).
+        for group in ws.chunk_by(|a, b| a.bits == b.bits) {
+            for part in group.chunks(4) {
+                let b = self.check_q(x.cols, part[0])?;
+                let GemvShape {
+                    variant,
+                    rows_per_block,
+                } = self.gemv_variant(part.iter().map(|w| w.rows).sum(), x.cols, part[0].bits);
+                let (batch, blocks, part_outs) = self.qbatch(x.cols, part, rows_per_block, 1)?;
+                let bytes = part
+                    .iter()
+                    .map(|w| qbytes(w.rows, w.cols, w.bits))
+                    .sum::<u64>();
+                // Four-row warps needing more blocks than two per SM (their registers' limit)
+                // would leave a second, mostly empty wave: walk the rows instead, or for 4-bit
+                // matrices take them on the integer tensor cores.
+                let many = variant == 0 && blocks as usize > 2 * self.sms;
+                let qx = self
+                    .k
+                    .gemv_qx
+                    .as_ref()
+                    .filter(|_| many && part[0].bits == 4);
+                if let Some(gemv_qx) = qx {
+                    let rows: usize = part.iter().map(|w| w.rows).sum();
+                    // The conv rides on the launch of the first matrix (the channels).
+                    let tail = match outs.is_empty() {
+                        true => conv,
+                        false => ConvTailArg::default(),
+                    };
+                    convolved |= tail.taps != 0;
+                    launch!(
+                        self,
+                        gemv_qx.batch,
+                        cfg(
+                            (rows.div_ceil(QX_ROWS_PER_BLOCK) as u32, 1),
+                            256,
+                            qx_smem_bytes(x.cols)
+                        ),
+                        [batch, x_ptr, x.cols as i32, nrm, tail],
+                        bytes = bytes
+                    )?;
+                } else if many && part.iter().all(|w| w.rows.is_multiple_of(2)) {
+                    launch!(
+                        self,
+                        self.k.gemv_batch_stream[b],
+                        cfg(((2 * self.sms) as u32, 1), 256, gemv_smem_bytes(x.cols)),
+                        [batch, x_ptr, x.cols as i32, nrm],
+                        bytes = bytes
+                    )?;
+                } else if blocks > 0 {
+                    launch!(
+                        self,
+                        self.k.gemv_batch[b][variant],
+                        cfg((blocks as u32, 1), 256, gemv_smem_bytes(x.cols)),
+                        [batch, x_ptr, x.cols as i32, nrm],
+                        bytes = bytes
+                    )?;
+                }
+                outs.extend(part_outs);
+            }
+        }
+        Ok((outs, convolved))
     }
 
     /// `moe_route` over `rt.tokens` rows of `rt.num_experts` logits at `logits`, into `rt.ids`
@@ -2833,78 +2951,42 @@ impl Backend for CudaBackend {
     }
 
     fn qmatmul_many(&self, x: &CudaTensor, ws: &[&CudaQMatrix]) -> Result<Vec<CudaTensor>> {
-        if x.rows >= MMA_MIN_TOKENS {
-            plain!(self, x);
-            // One split of the input serves every product; consecutive matrices of one bit
-            // width share a launch (at most four per launch).
-            let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
-            let mut outs = Vec::with_capacity(ws.len());
-            for group in ws.chunk_by(|a, b| a.bits == b.bits) {
-                for part in group.chunks(4) {
-                    outs.extend(self.qmma(&split, x.cols, part, x.rows)?);
-                }
-            }
-            return Ok(outs);
-        }
-        if x.rows != 1 {
-            return ws.iter().map(|w| self.qmatmul(x, w)).collect();
-        }
-        let (_x_held, x_ptr, nrm) = self.row_input(x)?;
-        let mut outs = Vec::with_capacity(ws.len());
-        // Consecutive matrices of one bit width share a launch (at most four per launch).
-        for group in ws.chunk_by(|a, b| a.bits == b.bits) {
-            for part in group.chunks(4) {
-                let b = self.check_q(x.cols, part[0])?;
-                let GemvShape {
-                    variant,
-                    rows_per_block,
-                } = self.gemv_variant(part.iter().map(|w| w.rows).sum(), x.cols, part[0].bits);
-                let (batch, blocks, part_outs) = self.qbatch(x.cols, part, rows_per_block, 1)?;
-                outs.extend(part_outs);
-                let bytes = part
-                    .iter()
-                    .map(|w| qbytes(w.rows, w.cols, w.bits))
-                    .sum::<u64>();
-                // Four-row warps needing more blocks than two per SM (their registers' limit)
-                // would leave a second, mostly empty wave: walk the rows instead, or for 4-bit
-                // matrices take them on the integer tensor cores.
-                let many = variant == 0 && blocks as usize > 2 * self.sms;
-                let qx = self
-                    .k
-                    .gemv_qx
-                    .as_ref()
-                    .filter(|_| many && part[0].bits == 4);
-                if let Some(gemv_qx) = qx {
-                    let rows: usize = part.iter().map(|w| w.rows).sum();
-                    launch!(
-                        self,
-                        gemv_qx.batch,
-                        cfg(
-                            (rows.div_ceil(QX_ROWS_PER_BLOCK) as u32, 1),
-                            256,
-                            qx_smem_bytes(x.cols)
-                        ),
-                        [batch, x_ptr, x.cols as i32, nrm],
-                        bytes = bytes
-                    )?;
-                } else if many && part.iter().all(|w| w.rows.is_multiple_of(2)) {
-                    launch!(
-                        self,
-                        self.k.gemv_batch_stream[b],
-                        cfg(((2 * self.sms) as u32, 1), 256, gemv_smem_bytes(x.cols)),
-                        [batch, x_ptr, x.cols as i32, nrm],
-                        bytes = bytes
-                    )?;
-                } else if blocks > 0 {
-                    launch!(
-                        self,
-                        self.k.gemv_batch[b][variant],
-                        cfg((blocks as u32, 1), 256, gemv_smem_bytes(x.cols)),
-                        [batch, x_ptr, x.cols as i32, nrm],
-                        bytes = bytes
-                    )?;
-                }
-            }
+        self.products_and_conv(x, ws, ConvTailArg::default())
+            .map(|(outs, _)| outs)
+    }
+
+    fn qmatmul_many_conv1d_silu(
+        &self,
+        x: &CudaTensor,
+        ws: &[&CudaQMatrix],
+        conv: &CudaSlice<f32>,
+        state: &mut CudaGdnState,
+        shape: &GdnShape,
+    ) -> Result<Vec<CudaTensor>> {
+        let channels = shape.conv_channels();
+        let tail = ConvTailArg {
+            taps: self.ptr(conv),
+            window: self.ptr(&state.window),
+            channels: channels as i32,
+            _pad: 0,
+        };
+        // The products' writers take the conv of the first matrix's rows when it is the
+        // channels (one token, the conv's kernel size the one they are built for).
+        let fits = x.rows == 1
+            && shape.conv_kernel == CONV_K_FUSED
+            && ws.first().is_some_and(|w| w.rows == channels)
+            && conv.len() == channels * CONV_K_FUSED
+            && state.window.len() == channels * (CONV_K_FUSED - 1)
+            && self.conv_in_products;
+        let tail = if fits { tail } else { ConvTailArg::default() };
+        let (mut outs, convolved) = self.products_and_conv(x, ws, tail)?;
+        if !convolved {
+            let Some(qkv) = outs.first_mut() else {
+                return Err(Error::Backend(
+                    "qmatmul_many_conv1d_silu: no matrices".into(),
+                ));
+            };
+            *qkv = self.conv1d_silu(qkv, conv, state, shape)?;
         }
         Ok(outs)
     }

@@ -665,11 +665,28 @@ __device__ __forceinline__ int batch_matrix(const QBatch& b, int g) {
     return m;
 }
 
+// A GDN layer's causal conv of one token, taken by its in-projections' writers (q4_gemv_batch_qx):
+// the batch's rows below `channels` are the q, k and v channels, each written as
+// silu(taps . [window | product]) (conv1d_silu's arithmetic, gdn.cu, bit for bit) in place of the
+// product, which moves into the window. Taps and window are read before the kernel's wait: only
+// this layer's conv writes the window, a step earlier. One dependent launch fewer a GDN layer:
+// decode +4.6% at 256 (docs/performance.md, session 36). taps == nullptr: no conv. Passed by
+// value.
+constexpr int CONV_K_FUSED = 4;
+struct ConvTail {
+    const float* taps;  // [CONV_K_FUSED][channels]
+    float* window;      // [CONV_K_FUSED - 1][channels]
+    int channels;
+};
+
 // qgemv_batch_stream's product on the tensor cores: a block per 32 rows of the batch's run (two
 // tiles of 16, each split over 4 warps by rounds of 128 columns), the first rounds' weights
 // loaded before the wait. Launch with 256 threads, ceil(first_row[4] / 32) blocks and
-// qx_smem_bytes(cols) of shared memory; 4-bit matrices, cols a multiple of 64.
-extern "C" __global__ void __launch_bounds__(256, 3) q4_gemv_batch_qx(QBatch b, const float* x, int cols, RowNorm nrm) {
+// qx_smem_bytes(cols) of shared memory; 4-bit matrices, cols a multiple of 64. With a ConvTail,
+// the conv of the channels (the batch's first rows) as well: one launch a GDN layer instead of
+// the product's and conv1d_silu's.
+extern "C" __global__ void __launch_bounds__(256, 3) q4_gemv_batch_qx(QBatch b, const float* x, int cols, RowNorm nrm,
+                                                                      ConvTail conv) {
     extern __shared__ __align__(16) unsigned char qx_smem[];
     const QxStaged xs(qx_smem, cols);
     __shared__ float partial[QX_TILES][QX_WARPS_PER_TILE][16];
@@ -687,6 +704,16 @@ extern "C" __global__ void __launch_bounds__(256, 3) q4_gemv_batch_qx(QBatch b, 
     w.ra = row_of(first + (lane >> 2));
     w.rb = row_of(first + 8 + (lane >> 2));
     w.load(cols, r0, r1);
+    // The writer's row (below) and, for a channel, its taps and window.
+    const int wrow = blockIdx.x * QX_TILES * 16 + (int)threadIdx.x;
+    const bool convolved = conv.taps && threadIdx.x < 16 * QX_TILES && wrow < conv.channels;
+    float taps[CONV_K_FUSED] = {}, window[CONV_K_FUSED - 1] = {};
+    if (convolved) {
+#pragma unroll
+        for (int j = 0; j < CONV_K_FUSED; ++j) taps[j] = conv.taps[(size_t)j * conv.channels + wrow];
+#pragma unroll
+        for (int j = 0; j + 1 < CONV_K_FUSED; ++j) window[j] = conv.window[(size_t)j * conv.channels + wrow];
+    }
     const float scale = xs.stage_after_wait(x, cols, nrm);
     float acc_a = 0.f, acc_b = 0.f;
     for (int rb = r0; rb < r1; rb += QX_BATCH) {
@@ -701,14 +728,25 @@ extern "C" __global__ void __launch_bounds__(256, 3) q4_gemv_batch_qx(QBatch b, 
     }
     __syncthreads();
     if (threadIdx.x < 16 * QX_TILES) {
-        const int g = blockIdx.x * QX_TILES * 16 + threadIdx.x;
+        const int g = wrow;
         if (g < total) {
             const int tl = threadIdx.x >> 4, r = threadIdx.x & 15;
             float sum = 0.f;
 #pragma unroll
             for (int k = 0; k < QX_WARPS_PER_TILE; ++k) sum += partial[tl][k][r];
             const int m = batch_matrix(b, g);
-            b.y[m][g - b.first_row[m]] = sum * scale;
+            float out = sum * scale;
+            if (convolved) {
+                float acc = 0.f;
+#pragma unroll
+                for (int j = 0; j + 1 < CONV_K_FUSED; ++j) acc += taps[j] * window[j];
+                acc += taps[CONV_K_FUSED - 1] * out;
+#pragma unroll
+                for (int j = 0; j + 2 < CONV_K_FUSED; ++j) conv.window[(size_t)j * conv.channels + g] = window[j + 1];
+                conv.window[(size_t)(CONV_K_FUSED - 2) * conv.channels + g] = out;
+                out = silu(acc);
+            }
+            b.y[m][g - b.first_row[m]] = out;
         }
     }
 }
