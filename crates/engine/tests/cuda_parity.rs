@@ -769,7 +769,8 @@ const ATTN: AttnShape = AttnShape {
 
 /// q/k norms, RoPE, cache append and attention (plain and gated) over chunks of (q|gate, k, v):
 /// even chunks prepared by `attn_prep` (one launch on the GPU), odd ones by the separate ops,
-/// into the same cache.
+/// into the same cache; then each chunk's gated attention again from its projections
+/// (`attention_prepped_gated`).
 fn attention_on<B: Backend>(
     b: &B,
     sh: &AttnShape,
@@ -806,6 +807,13 @@ fn attention_on<B: Backend>(
             b,
             &b.attention_gated(&q, &gate, &cache, sh, pos)
                 .expect("gated attention"),
+        ));
+        // The layer's op from the projections (one token on a GPU: the prep in the attention's
+        // blocks), rewriting the chunk's cache rows with the same values.
+        outs.push(down(
+            b,
+            &b.attention_prepped_gated(&qg, &k, &v, [&qn, &kn], &mut cache, sh, pos, 1e-6)
+                .expect("prepped gated attention"),
         ));
         pos += t;
     }
@@ -876,8 +884,9 @@ fn attention_matches_at_short_and_long_contexts() {
         let g = attention_on(&gpu, &sh, &norms, &chunks);
         let c = attention_on(&cpu, &sh, &norms, &chunks);
         for (i, (a, b)) in g.iter().zip(&c).enumerate() {
-            // Four outputs a chunk (q, gate, attention, gated attention), then the snapshot's.
-            let flash = i % 4 >= 2 && lens.get(i / 4).is_some_and(|&t| t >= 32) && d <= 256;
+            // Five outputs a chunk (q, gate, attention, gated attention, the same from the
+            // projections), then the snapshot's.
+            let flash = i % 5 >= 2 && lens.get(i / 5).is_some_and(|&t| t >= 32) && d <= 256;
             let tol = if flash { FLASH_TOL } else { TOL };
             close_within(&format!("attention (H {h}, D {d}) output {i}"), a, b, tol);
         }

@@ -333,6 +333,24 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Tensor> {
         self.sigmoid_mul(&self.attention(q, cache, shape, pos0)?, gate)
     }
+    /// The gated attention layer from its projections, up to its output projection: `attn_prep`
+    /// (the new k and v appended to the cache at `pos0`), then `attention_gated`. A GPU takes one
+    /// token's prep in the attention's own launch.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_prepped_gated(
+        &self,
+        q_gate: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        norms: [&Self::Vector; 2],
+        cache: &mut Self::KvCache,
+        shape: &AttnShape,
+        pos0: usize,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        let (q, gate) = self.attn_prep(q_gate, k, v, norms, cache, shape, pos0, eps)?;
+        self.attention_gated(&q, &gate, cache, shape, pos0)
+    }
     /// `x * sigmoid(gate)`, elementwise.
     fn sigmoid_mul(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Result<Self::Tensor>;
 

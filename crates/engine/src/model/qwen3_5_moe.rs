@@ -289,10 +289,9 @@ impl<B: Backend> Qwen35Moe<B> {
         let sh = &self.attn_shape;
         let eps = self.cfg.rms_norm_eps;
         let [q_gate, k, v] = products(b.qmatmul_many(h, &[&w.q_proj, &w.k_proj, &w.v_proj])?)?;
-        // q, k = rope(head_rms_norm(q)), rope(head_rms_norm(k)); k and v appended to the cache.
-        let (q, gate) =
-            b.attn_prep(&q_gate, &k, &v, [&w.q_norm, &w.k_norm], cache, sh, pos, eps)?;
-        b.attention_gated(&q, &gate, cache, sh, pos)
+        // q, k = rope(head_rms_norm(q)), rope(head_rms_norm(k)); k and v appended to the cache;
+        // attention(q) * sigmoid(gate)
+        b.attention_prepped_gated(&q_gate, &k, &v, [&w.q_norm, &w.k_norm], cache, sh, pos, eps)
     }
 
     /// The MoE block on `h` added to the residual `x`, and the next norm (gains `norm`) of it.

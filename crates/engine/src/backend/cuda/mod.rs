@@ -221,6 +221,25 @@ struct ConvTailArg {
 // SAFETY: repr(C), two u64 then two 4-byte fields, no padding.
 unsafe impl bytemuck::NoUninit for ConvTailArg {}
 
+/// An `AttnPrep` kernel parameter (kernels/attention.cu): one token's attention-layer
+/// projections and norms, prepped by the decode attention itself; all zero for none (attn_prep
+/// did it).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AttnPrepArg {
+    qg: u64,
+    k: u64,
+    v: u64,
+    q_norm: u64,
+    k_norm: u64,
+    theta: f64,
+    rotary: i32,
+    eps: f32,
+}
+
+// SAFETY: repr(C), five u64 and an f64 then two 4-byte fields, no padding.
+unsafe impl bytemuck::NoUninit for AttnPrepArg {}
+
 /// The conv kernel size one token's in-projections take in their writers (`CONV_K_FUSED`,
 /// kernels/quant.cu); other sizes launch conv1d_silu.
 const CONV_K_FUSED: usize = 4;
@@ -641,6 +660,9 @@ pub struct CudaBackend {
     /// `LILY_CUDA_CONV_IN_PRODUCTS=0` launches one token's GDN conv on its own after the
     /// in-projections instead of in their writers (to compare the two).
     conv_in_products: bool,
+    /// `LILY_CUDA_PREP_IN_ATTENTION=0` launches one token's attn_prep on its own before the
+    /// decode attention instead of in its blocks (to compare the two).
+    prep_in_attention: bool,
     step: Mutex<StepState>,
     /// Set while a decode step is being recorded: temporaries come from the arena, and the
     /// position-dependent kernels read `params`.
@@ -1005,6 +1027,43 @@ fn switched_off(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "0")
 }
 
+/// The shapes `attn_prep` needs: q|gate [T, 2 H D], k and v [T, KVH D] (the cache's rows), the
+/// norms' gains at least D long, an even rotary dim of at most D.
+fn check_attn_prep(
+    qg: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    [q_norm, k_norm]: [&CudaSlice<f32>; 2],
+    c: &CudaKvCache,
+    sh: &AttnShape,
+) -> Result<()> {
+    let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
+    same_shape(k, v, "attn_prep")?;
+    if qg.cols != 2 * h * d
+        || qg.rows != k.rows
+        || k.cols != kvh * d
+        || k.cols != c.row
+        || q_norm.len() < d
+        || k_norm.len() < d
+        || !sh.rotary_dim.is_multiple_of(2)
+        || sh.rotary_dim > d
+    {
+        return Err(Error::Backend(format!(
+            "attn_prep: q|gate [{}, {}], k and v [{}, {}], cache rows of {}, {h} heads and {kvh} \
+                 KV heads of {d} (rotary {}), norms of {} and {}",
+            qg.rows,
+            qg.cols,
+            k.rows,
+            k.cols,
+            c.row,
+            sh.rotary_dim,
+            q_norm.len(),
+            k_norm.len()
+        )));
+    }
+    Ok(())
+}
+
 /// One token's 4-bit products on the integer tensor cores (kernels/quant.cu, `QxStaged`).
 struct GemvQx {
     /// A batch of matrices, a block per 32 rows (`QX_ROWS_PER_BLOCK`): the in-projections.
@@ -1263,6 +1322,7 @@ impl CudaBackend {
             chain,
             chains: !switched_off("LILY_CUDA_CHAIN"),
             conv_in_products: !switched_off("LILY_CUDA_CONV_IN_PRODUCTS"),
+            prep_in_attention: !switched_off("LILY_CUDA_PREP_IN_ATTENTION"),
             step: Mutex::new(StepState::default()),
             capturing: AtomicBool::new(false),
             bucket: AtomicUsize::new(0),
@@ -2484,7 +2544,9 @@ impl CudaBackend {
     }
 
     /// Attention over the cache, multiplied by sigmoid(gate) when a gate is given: in the split
-    /// merge's launch for decode, by `sigmoid_mul` after flash attention.
+    /// merge's launch for decode, by `sigmoid_mul` after flash attention. With `prep` (one
+    /// token), `q` is the q|gate projection and the split kernel preps it and the new key and
+    /// value itself; the gate is q's.
     fn attention_with_gate(
         &self,
         q: &CudaTensor,
@@ -2492,8 +2554,10 @@ impl CudaBackend {
         c: &CudaKvCache,
         sh: &AttnShape,
         pos0: usize,
+        prep: Option<AttnPrepArg>,
     ) -> Result<CudaTensor> {
         let (t, h, d) = (q.rows, sh.heads, sh.head_dim);
+        let q_cols = if prep.is_some() { 2 * h * d } else { h * d };
         let variant = match d {
             64 => 0,
             128 => 1,
@@ -2505,7 +2569,7 @@ impl CudaBackend {
             || sh.kv_heads == 0
             || h % sh.kv_heads != 0
             || h / sh.kv_heads > 16
-            || q.cols != h * d
+            || q.cols != q_cols
         {
             return Err(Error::Backend(format!(
                 "attention: {h} heads of {d} over {} KV heads is not supported on CUDA \
@@ -2535,6 +2599,7 @@ impl CudaBackend {
                 .map(|f| (f, fa_smem_bytes(d))),
         };
         if t >= FA_MIN_TOKENS
+            && prep.is_none()
             && let Some((attention_prefill, smem)) = flash
         {
             launch!(
@@ -2604,19 +2669,27 @@ impl CudaBackend {
                 h as i32,
                 kv as i32,
                 self.pos_ptr(),
-                pos0 as i32
+                pos0 as i32,
+                prep.unwrap_or_default()
             ]
         )?;
+        // The gate rows: attn_prep's [T, H*D], or each head's second half of q|gate.
+        let (gate, gate_stride) = match (prep, gate) {
+            (Some(p), _) => (p.qg + 4 * d as u64, 2 * d),
+            (None, Some(g)) => (self.ptr(&g.buf), d),
+            (None, None) => (0, d),
+        };
         launch!(
             self,
             self.k.attention_combine,
             cfg((rows as u32, (d / 32) as u32), 256, 0),
             [
                 self.ptr(&part),
-                gate.map_or(0, |g| self.ptr(&g.buf)),
+                gate,
                 self.ptr(&out.buf),
                 d as i32,
-                splits as i32
+                splits as i32,
+                gate_stride as i32
             ]
         )?;
         Ok(out)
@@ -3456,30 +3529,8 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<(CudaTensor, CudaTensor)> {
         plain!(self, qg, k, v);
+        check_attn_prep(qg, k, v, [q_norm, k_norm], c, sh)?;
         let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
-        same_shape(k, v, "attn_prep")?;
-        if qg.cols != 2 * h * d
-            || qg.rows != k.rows
-            || k.cols != kvh * d
-            || k.cols != c.row
-            || q_norm.len() < d
-            || k_norm.len() < d
-            || !sh.rotary_dim.is_multiple_of(2)
-            || sh.rotary_dim > d
-        {
-            return Err(Error::Backend(format!(
-                "attn_prep: q|gate [{}, {}], k and v [{}, {}], cache rows of {}, {h} heads and {kvh} \
-                 KV heads of {d} (rotary {}), norms of {} and {}",
-                qg.rows,
-                qg.cols,
-                k.rows,
-                k.cols,
-                c.row,
-                sh.rotary_dim,
-                q_norm.len(),
-                k_norm.len()
-            )));
-        }
         let end = self.kv_extend(c, k.rows, pos0)?;
         let q = self.tensor(qg.rows, h * d)?;
         let gate = self.tensor(qg.rows, h * d)?;
@@ -3521,7 +3572,7 @@ impl Backend for CudaBackend {
         pos0: usize,
     ) -> Result<CudaTensor> {
         plain!(self, q);
-        self.attention_with_gate(q, None, c, sh, pos0)
+        self.attention_with_gate(q, None, c, sh, pos0, None)
     }
 
     fn attention_gated(
@@ -3534,7 +3585,46 @@ impl Backend for CudaBackend {
     ) -> Result<CudaTensor> {
         plain!(self, q, gate);
         same_shape(q, gate, "attention_gated")?;
-        self.attention_with_gate(q, Some(gate), c, sh, pos0)
+        self.attention_with_gate(q, Some(gate), c, sh, pos0, None)
+    }
+
+    fn attention_prepped_gated(
+        &self,
+        qg: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        [q_norm, k_norm]: [&CudaSlice<f32>; 2],
+        c: &mut CudaKvCache,
+        sh: &AttnShape,
+        pos0: usize,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        plain!(self, qg, k, v);
+        // One token's prep in the decode attention's blocks: head dims up to 256, and a
+        // rotation whose pairs lie in one lane (rotary dims a multiple of 64).
+        let d = sh.head_dim;
+        let in_attention = qg.rows == 1
+            && matches!(d, 64 | 128 | 256)
+            && sh.rotary_dim.is_multiple_of(64)
+            && self.prep_in_attention;
+        if !in_attention {
+            let (q, gate) = self.attn_prep(qg, k, v, [q_norm, k_norm], c, sh, pos0, eps)?;
+            return self.attention_gated(&q, &gate, c, sh, pos0);
+        }
+        check_attn_prep(qg, k, v, [q_norm, k_norm], c, sh)?;
+        // The new row is written by the attention's launch, which reads the cache up to it.
+        c.len = self.kv_extend(c, 1, pos0)?;
+        let prep = AttnPrepArg {
+            qg: self.ptr(&qg.buf),
+            k: self.ptr(&k.buf),
+            v: self.ptr(&v.buf),
+            q_norm: self.ptr(q_norm),
+            k_norm: self.ptr(k_norm),
+            theta: sh.rope_theta,
+            rotary: sh.rotary_dim as i32,
+            eps,
+        };
+        self.attention_with_gate(qg, None, c, sh, pos0, Some(prep))
     }
 
     fn sigmoid_mul(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor> {

@@ -24,14 +24,24 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 
 // Rotate-half RoPE of one pair of a head, dims j and j + rotary/2 (a and b), at position pos.
 // Angles in f64 (as the CPU reference computes its table), then cos/sin rounded to f32.
-__device__ __forceinline__ void rope_pair(float& a, float& b, int pos, int j, int rotary, double theta) {
+__device__ __forceinline__ void rope_angle(int pos, int j, int rotary, double theta, float& c, float& s) {
     const double inv = pow(theta, -2.0 * (double)j / (double)rotary);
     double sn, cs;
     sincos((double)pos * inv, &sn, &cs);
-    const float c = (float)cs, s = (float)sn;
+    c = (float)cs;
+    s = (float)sn;
+}
+
+__device__ __forceinline__ void rope_rotate(float& a, float& b, float c, float s) {
     const float a0 = a, b0 = b;
     a = a0 * c - b0 * s;
     b = b0 * c + a0 * s;
+}
+
+__device__ __forceinline__ void rope_pair(float& a, float& b, int pos, int j, int rotary, double theta) {
+    float c, s;
+    rope_angle(pos, j, rotary, theta, c, s);
+    rope_rotate(a, b, c, s);
 }
 
 // Rotate-half RoPE on the first `rotary` dims of each head of x [T, H*D], in place; row t is at
@@ -142,10 +152,56 @@ __host__ __device__ constexpr int attn_decode_smem_bytes(int d, int ng) {
            2 * ATTN_STAGES * 2 * ATTN_TILE * (d + 8);
 }
 
+// One token's attn_prep taken by the decode attention (attention_partial): every block norms and
+// rotates its KV head's query heads from the in-projections' q|gate rows itself, and the block
+// whose keys hold the new position norms and rotates the new key and writes it and the value
+// into the caches before it copies them, so the attention layer needs no launch of its own for
+// them. The results equal attn_prep's bit for bit (its sums in its order: norm_rotate_row). Head
+// dims up to 256, rotary dims a multiple of 64 (the pairs of a row's rotation in one lane).
+// q_norm == nullptr: the queries are read as they are (q), and attn_prep wrote the caches.
+// Passed by value.
+struct AttnPrep {
+    const float* qg;      // [heads][2 D]: each head's query, then its gate
+    const float* k;       // [kv_heads][D]: the new key and value rows
+    const float* v;
+    const float* q_norm;  // [D]
+    const float* k_norm;  // [D]
+    double theta;
+    int rotary;
+    float eps;
+};
+
+// A head's row of D = 32 ND values, lane l holding dims l + 32 i (x[i]), normed by gains w and
+// rotated as attn_prep does them: its sum of squares in attn_prep's order (128 threads, thread t
+// summing dims t, t + 128, ..., then the four warps' sums in order), x * inv * w, then the
+// rotation of dims j and j + rotary/2 for j < rotary/2 (lane-local: rotary a multiple of 64),
+// with the angles cs/sn of dims l + 32 i.
+template <int ND>
+__device__ __forceinline__ void norm_rotate_row(float (&x)[ND], const float (&w)[ND], float eps, int rotary,
+                                                const float (&cs)[ND], const float (&sn)[ND]) {
+    constexpr int D = 32 * ND;
+    float total = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float part = 0.f;
+#pragma unroll
+        for (int i = k; i < ND; i += 4) part = fmaf(x[i], x[i], part);
+        total += warp_sum(part);
+    }
+    const float inv = 1.f / sqrtf(total / (float)D + eps);
+#pragma unroll
+    for (int i = 0; i < ND; ++i) x[i] = x[i] * inv * w[i];
+#pragma unroll
+    for (int p = 1; p <= ND / 2; ++p)  // p = rotary / 64: the pair's partner p values on
+        if (rotary == 64 * p)
+#pragma unroll
+            for (int i = 0; i < p; ++i) rope_rotate(x[i], x[i + p], cs[i], sn[i]);
+}
+
 template <int ND, int NG>
-__device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, const u16* __restrict__ k,
-                                                       const u16* __restrict__ v, float* __restrict__ part,
-                                                       int heads, int kv_heads, const int* pos_ptr, int pos0) {
+__device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, u16* k, u16* v,
+                                                       float* __restrict__ part, int heads, int kv_heads,
+                                                       const int* pos_ptr, int pos0, const AttnPrep& prep) {
     constexpr int D = 32 * ND, H = 8 * NG, TILE = ATTN_TILE, KT = TILE / 16;
     constexpr int WARPS = adec_warps(D), DW = D / WARPS, KSTEPS = DW / 16, MTILES = DW / 16;
     constexpr int LD = D + 8, SP = H + 4, STAGES = ATTN_STAGES;
@@ -194,11 +250,56 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     // The first tiles of keys that earlier steps wrote are requested before the wait for
     // attn_prep, which writes the new keys' rows: this kernel launches only once attn_prep's blocks
     // have waited for the kernels before them, so those rows and the position are in memory
-    // (decode +0.6% at 256, +0.9% at 32,768: docs/performance.md, session 36).
+    // (decode +0.6% at 256, +0.9% at 32,768: docs/performance.md, session 36). With an AttnPrep
+    // the kernel before is the in-projections, which likewise wait before letting it launch.
     int fetched = 0;
     while (fetched < STAGES - 1 && start + (fetched + 1) * TILE <= pos) fetch(fetched++);
+    // With an AttnPrep (one token): its rotation's angles and the norms' gains, before the wait.
+    const bool prepped = prep.q_norm != nullptr;
+    float* qs = sp;  // the prepped queries [group][D], before the score parts take the space
+    constexpr bool PREP_FITS = ND <= 8;  // head dims up to 256 (the host sends no AttnPrep past)
+    static_assert(!PREP_FITS || 8 * NG * D <= WARPS * TILE * H, "the prepped queries fit the score parts");
+    float cs[PREP_FITS ? ND : 1] = {}, sn[PREP_FITS ? ND : 1] = {}, qw[PREP_FITS ? ND : 1] = {},
+                                   kw[PREP_FITS ? ND : 1] = {};
+    if constexpr (PREP_FITS) {
+        if (prepped) {
+#pragma unroll
+            for (int i = 0; i < ND; ++i) {
+                if (64 * i < prep.rotary) rope_angle(pos, lane + 32 * i, prep.rotary, prep.theta, cs[i], sn[i]);
+                qw[i] = prep.q_norm[lane + 32 * i];
+                kw[i] = prep.k_norm[lane + 32 * i];
+            }
+        }
+    }
     pdl_wait();
     pdl_launch_dependents();
+    if constexpr (PREP_FITS) {
+        if (prepped) {
+            // Rows 0 .. group - 1: the KV head's query heads; row `group`: the new key, for the
+            // block whose keys hold its position, which writes it and the value into the caches.
+            const bool new_key = start <= pos && pos < end;
+            for (int r = warp; r < group + (new_key ? 1 : 0); r += WARPS) {
+                const bool key = r == group;
+                const float* src = key ? prep.k + (size_t)kvh * D : prep.qg + (size_t)(kvh * group + r) * 2 * D;
+                float x[ND];
+#pragma unroll
+                for (int i = 0; i < ND; ++i) x[i] = src[lane + 32 * i];
+                norm_rotate_row<ND>(x, key ? kw : qw, prep.eps, prep.rotary, cs, sn);
+                if (!key) {
+#pragma unroll
+                    for (int i = 0; i < ND; ++i) qs[r * D + lane + 32 * i] = x[i];
+                } else {
+                    const size_t at = (size_t)pos * row + (size_t)kvh * D;
+#pragma unroll
+                    for (int i = 0; i < ND; ++i) {
+                        k[at + lane + 32 * i] = (u16)f16_bits(x[i]);
+                        v[at + lane + 32 * i] = (u16)f16_bits(prep.v[(size_t)kvh * D + lane + 32 * i]);
+                    }
+                }
+            }
+            __syncthreads();  // the queries staged; the new rows in memory before their tile's copies
+        }
+    }
     while (fetched < STAGES - 1) fetch(fetched++);
     const int d0 = warp * DW;  // this warp's first dim
     // Q^T's fragments for this warp's dims (the score product's B: head 8n + g, dims
@@ -209,7 +310,8 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
 #pragma unroll
         for (int n = 0; n < NG; ++n) {
             const int h = 8 * n + g;
-            const float* qrow = q + ((size_t)t * heads + kvh * group + min(h, group - 1)) * D + d0 + 2 * c;
+            const float* qrow = (prepped ? qs : q + ((size_t)t * heads + kvh * group) * D) +
+                                (size_t)min(h, group - 1) * D + d0 + 2 * c;
 #pragma unroll
             for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
@@ -355,9 +457,9 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
 
 #define ATTENTION_PARTIAL(ND, NG)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * adec_warps(32 * ND))                                         \
-        attention_partial_d##ND##_g##NG(const float* q, const u16* k, const u16* v, float* part, int heads,     \
-                                        int kv_heads, const int* pos_ptr, int pos0) {                           \
-        attention_partial_impl<ND, NG>(q, k, v, part, heads, kv_heads, pos_ptr, pos0);                        \
+        attention_partial_d##ND##_g##NG(const float* q, u16* k, u16* v, float* part, int heads, int kv_heads, \
+                                        const int* pos_ptr, int pos0, AttnPrep prep) {                          \
+        attention_partial_impl<ND, NG>(q, k, v, part, heads, kv_heads, pos_ptr, pos0, prep);                  \
     }
 // Head dims 64, 128, 256 and 512; query groups of up to 8 and up to 16 heads.
 ATTENTION_PARTIAL(2, 1)
@@ -375,11 +477,12 @@ ATTENTION_PARTIAL(16, 2)
 // most 256 splits): every value the block reads is requested first, warp w's lane holding its
 // column of splits w, w + 8, ... in registers, so the block waits on memory once, then on its
 // reductions; warp w sums its column over its splits in order and warp 0 adds the eight partial
-// sums. With a gate (the attention layer's output gate, [rows][d]) o is then multiplied by
+// sums. With a gate (the attention layer's output gate, row r at r * gate_stride: attn_prep's
+// [rows][d], or the in-projections' q|gate rows for an AttnPrep) o is then multiplied by
 // sigmoid(gate), as sigmoid_mul would.
 constexpr int MAX_SPLITS = 256;
 extern "C" __global__ void __launch_bounds__(256) attention_combine(const float* part, const float* gate, float* o,
-                                                                    int d, int splits) {
+                                                                    int d, int splits, int gate_stride) {
     constexpr int WARPS = 8, PER_WARP = MAX_SPLITS / WARPS;
     __shared__ float wgt[MAX_SPLITS];
     __shared__ float red[2][WARPS];
@@ -388,7 +491,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
     const int c = blockIdx.y * 32 + lane;
     // The writers' gate is read before the wait for the partial results: attn_prep wrote it, and
     // had finished before attention_partial let this kernel launch.
-    const float gate_v = gate && warp == 0 && c < d ? gate[(size_t)r * d + c] : 0.f;
+    const float gate_v = gate && warp == 0 && c < d ? gate[(size_t)r * gate_stride + c] : 0.f;
     grid_dep();
     const float* pr = part + (size_t)r * splits * (d + 2);
     float acc[PER_WARP];
