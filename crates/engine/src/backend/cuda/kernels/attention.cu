@@ -489,8 +489,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(const float*
     __shared__ float colsum[WARPS][32];
     const int r = blockIdx.x, s = threadIdx.x, lane = s & 31, warp = s >> 5;
     const int c = blockIdx.y * 32 + lane;
-    // The writers' gate is read before the wait for the partial results: attn_prep wrote it, and
-    // had finished before attention_partial let this kernel launch.
+    // The gate is read before the wait for the partial results: its writer (attn_prep, or for an
+    // AttnPrep the in-projections) had finished before attention_partial let this kernel launch.
     const float gate_v = gate && warp == 0 && c < d ? gate[(size_t)r * gate_stride + c] : 0.f;
     grid_dep();
     const float* pr = part + (size_t)r * splits * (d + 2);
