@@ -1415,9 +1415,10 @@ impl CudaBackend {
                 if let Some(gemv_qx) = qx {
                     let rows: usize = part.iter().map(|w| w.rows).sum();
                     // The conv rides on the launch of the first matrix (the channels).
-                    let tail = match outs.is_empty() {
-                        true => conv,
-                        false => ConvTailArg::default(),
+                    let tail = if outs.is_empty() {
+                        conv
+                    } else {
+                        ConvTailArg::default()
                     };
                     convolved |= tail.taps != 0;
                     launch!(
