@@ -3038,12 +3038,6 @@ impl Backend for CudaBackend {
         shape: &GdnShape,
     ) -> Result<Vec<CudaTensor>> {
         let channels = shape.conv_channels();
-        let tail = ConvTailArg {
-            taps: self.ptr(conv),
-            window: self.ptr(&state.window),
-            channels: channels as i32,
-            _pad: 0,
-        };
         // The products' writers take the conv of the first matrix's rows when it is the
         // channels (one token, the conv's kernel size the one they are built for).
         let fits = x.rows == 1
@@ -3052,7 +3046,16 @@ impl Backend for CudaBackend {
             && conv.len() == channels * CONV_K_FUSED
             && state.window.len() == channels * (CONV_K_FUSED - 1)
             && self.conv_in_products;
-        let tail = if fits { tail } else { ConvTailArg::default() };
+        let tail = if fits {
+            ConvTailArg {
+                taps: self.ptr(conv),
+                window: self.ptr(&state.window),
+                channels: channels as i32,
+                _pad: 0,
+            }
+        } else {
+            ConvTailArg::default()
+        };
         let (mut outs, convolved) = self.products_and_conv(x, ws, tail)?;
         if !convolved {
             let Some(qkv) = outs.first_mut() else {
