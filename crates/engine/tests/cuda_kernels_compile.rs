@@ -41,6 +41,20 @@ fn every_kernel_compiles_for_sm80_and_sm90a() {
 }
 
 #[test]
+fn every_kernel_compiles_with_the_timeline_marks() {
+    let Some(_) = nvrtc_or_skip("every_kernel_compiles_with_the_timeline_marks") else {
+        return;
+    };
+    // LILY_CUDA_TIMELINE compiles the marks into every family (kernels/common.cuh); the GPU
+    // machine's NVRTC is the same one, for sm_90a.
+    for (name, source) in nvrtc::KERNELS {
+        let marked = format!("{}{source}", nvrtc::TIMELINE_DEFINE);
+        let image = nvrtc::compile(name, &marked, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
+        assert!(image.starts_with(b"\x7fELF"), "{name}: not an ELF CUBIN");
+    }
+}
+
+#[test]
 fn a_broken_kernel_reports_the_nvrtc_log() {
     if nvrtc_or_skip("a_broken_kernel_reports_the_nvrtc_log").is_none() {
         return;

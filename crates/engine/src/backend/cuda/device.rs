@@ -8,6 +8,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 
 use super::nvrtc;
+use super::timeline::{self, Timeline};
 use crate::error::{Error, Result};
 
 pub struct CudaDevice {
@@ -17,6 +18,8 @@ pub struct CudaDevice {
     pub arch: String,
     pub name: String,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// The decode step's timeline, when `LILY_CUDA_TIMELINE` asks for one (timeline.rs).
+    pub timeline: Option<Timeline>,
 }
 
 /// Maps a driver error to lily's, saying what was being done.
@@ -55,12 +58,17 @@ impl CudaDevice {
         keep_freed_memory(&ctx)?;
         // A stream of its own (not the legacy default stream), so that it can be captured.
         let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
+        let timeline = match timeline::requested() {
+            Some(path) => Some(Timeline::new(&stream, path)?),
+            None => None,
+        };
         Ok(CudaDevice {
             ctx,
             stream,
             arch,
             name,
             modules: Mutex::new(HashMap::new()),
+            timeline,
         })
     }
 
@@ -87,6 +95,9 @@ impl CudaDevice {
                         .ctx
                         .load_module(Ptx::from_binary(image))
                         .map_err(driver("loading a kernel module"))?;
+                    if let Some(t) = &self.timeline {
+                        t.attach(&m, &self.stream)?;
+                    }
                     modules.insert(family, m.clone());
                     m
                 }
@@ -95,6 +106,18 @@ impl CudaDevice {
         module
             .load_function(function)
             .map_err(driver("finding a kernel"))
+    }
+}
+
+impl Drop for CudaDevice {
+    /// Writes the timeline, if one was asked for (nothing else to do: cudarc frees the rest).
+    fn drop(&mut self) {
+        if let Some(t) = &self.timeline {
+            let written = self.synchronize().and_then(|()| t.write(&self.stream));
+            if let Err(e) = written {
+                tracing::warn!("LILY_CUDA_TIMELINE: {e}");
+            }
+        }
     }
 }
 

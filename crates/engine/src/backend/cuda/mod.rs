@@ -9,6 +9,7 @@
 
 pub mod device;
 pub mod nvrtc;
+mod timeline;
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -1518,6 +1519,10 @@ impl CudaBackend {
         // waiting on SMs; docs/performance.md, run9).
         let pdl = self.pdl && self.recording();
         unsafe { self.launch_raw(f.cu_function(), &cfg, &mut params[..args.len()], pdl) }?;
+        if let Some(t) = self.dev.timeline.as_ref().filter(|_| self.recording()) {
+            let (x, y, z) = cfg.grid_dim;
+            t.launched(label, x * y * z);
+        }
         if tracing
             && let Ok(mut t) = self.trace.lock()
             && let Some(t) = t.as_mut()
@@ -4098,6 +4103,9 @@ impl CudaBackend {
                 .stream
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .map_err(driver("begin capture"))?;
+            if let Some(t) = &self.dev.timeline {
+                t.begin_step();
+            }
             self.capturing.store(true, Ordering::Relaxed);
             let recorded = forward(state).and_then(|logits| {
                 if let StepEnd::Chosen(choice) = end {

@@ -46,11 +46,20 @@ pub const KERNELS: &[(&str, &str)] = &[
 /// rebuild of lily, only the changed files. The cache key holds the source, so an edited file is
 /// compiled afresh.
 pub fn kernel_source(family: &str) -> Result<std::borrow::Cow<'static, str>> {
-    kernel_source_in(
+    let source = kernel_source_in(
         family,
         std::env::var_os("LILY_CUDA_KERNEL_DIR").map(PathBuf::from),
-    )
+    )?;
+    // The timeline's marks (timeline.rs) are compiled in only when asked for.
+    Ok(match super::timeline::requested() {
+        Some(_) => format!("{TIMELINE_DEFINE}{source}").into(),
+        None => source,
+    })
 }
+
+/// What a kernel source starts with when the decode step's timeline is asked for (timeline.rs,
+/// kernels/common.cuh).
+pub const TIMELINE_DEFINE: &str = "#define LILY_TIMELINE\n";
 
 fn kernel_source_in(family: &str, dir: Option<PathBuf>) -> Result<std::borrow::Cow<'static, str>> {
     let embedded = KERNELS

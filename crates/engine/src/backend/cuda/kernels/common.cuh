@@ -7,17 +7,44 @@ typedef unsigned long long u64;
 
 #define NEG_INF __int_as_float(0xff800000u)
 
+// The decode step's timeline (`LILY_CUDA_TIMELINE`, tools/timeline.py): compiled in only when
+// nvrtc.rs defines LILY_TIMELINE. Thread 0 of every block stores the global time at three marks:
+// reaching its wait for the previous kernel (0), the wait's return (1) and letting the next kernel
+// launch (2), in slot (launch id % TIMELINE_LAUNCHES, block, mark) of the host's buffer, as plain
+// stores (an atomic's round trip would hold the block back). Records are (launch id, time).
+#define TIMELINE_LAUNCHES 4096
+#define TIMELINE_BLOCKS 1024
+#ifdef LILY_TIMELINE
+extern "C" {
+__device__ u64* lily_timeline;
+}
+__device__ __forceinline__ void timeline_mark(u32 mark) {
+    const u32 block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if ((threadIdx.x | threadIdx.y | threadIdx.z) != 0 || !lily_timeline || block >= TIMELINE_BLOCKS) return;
+    u64 grid, t;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const u64 slot = ((grid % TIMELINE_LAUNCHES) * TIMELINE_BLOCKS + block) * 3 + mark;
+    asm volatile("st.global.v2.u64 [%0], {%1, %2};" ::"l"(lily_timeline + 2 * slot), "l"(grid), "l"(t) : "memory");
+}
+#else
+__device__ __forceinline__ void timeline_mark(u32) {}
+#endif
+
 // Programmatic dependent launch (Hopper and newer). `pdl_wait` returns once the previous kernel
 // has finished and its writes are visible; `pdl_launch_dependents` lets the next kernel start
 // launching, so that its launch (and whatever it does before its own wait) overlaps this
 // kernel's work. Before the wait a kernel may read only what no kernel writes (the weights).
 // Without the launch attribute both are no-ops.
 __device__ __forceinline__ void pdl_wait() {
+    timeline_mark(0);
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    timeline_mark(1);
 }
 __device__ __forceinline__ void pdl_launch_dependents() {
+    timeline_mark(2);
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif

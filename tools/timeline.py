@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Reads a decode step's timeline (`LILY_CUDA_TIMELINE=path lily bench --device cuda ...`, the
+engine's cuda/timeline.rs) and prints, for each launch of the recorded step (its CUDA graph keeps
+its launch ids, so each slot holds the marks of the graph's last replay):
+
+  crit   the next launch's release minus this launch's release (a release: the first of its
+         blocks to return from its wait for the launch before): what the step's critical path
+         spends from this kernel's inputs being ready to the next kernel's (its work after the
+         wait, its tail, the boundary)
+  arrive its first block at its wait, after the previous launch's release (negative: waiting
+         before the inputs were ready, its weights requested)
+  late   its last block at its wait, after its own release (positive: blocks that could not
+         start, or run their part before the wait, until the inputs were ready; a block of the
+         next kernel waits for room on an SM: registers, shared memory)
+  trig   its last block's launch_dependents, after its release (the next kernel can launch only
+         then)
+
+then crit and late summed by kernel family. Microseconds, on the GPU's global timer; the marks
+themselves make the step ~7% slower (run42).
+Usage: python3 tools/timeline.py PATH [--launches-json OUT] [--from-launches IN]
+  PATH.json (written beside PATH) holds the recorded step's launches; OUT keeps every launch's
+  marks for another look, which IN reads instead of PATH.
+"""
+import json
+import statistics
+import sys
+from array import array
+from collections import defaultdict
+
+
+def launches(path, meta):
+    slots, blocks, marks = meta["launch_slots"], meta["blocks_per_launch"], meta["marks"]
+    with open(path, "rb") as f:
+        raw = f.read()
+    per_slot = blocks * marks * 2
+    out = []
+    for s in range(slots):
+        if not raw[s * per_slot * 8:(s + 1) * per_slot * 8].strip(b"\0"):
+            continue
+        seg = array("Q")
+        seg.frombytes(raw[s * per_slot * 8:(s + 1) * per_slot * 8])
+        if sys.byteorder != "little":
+            seg.byteswap()
+        gids, ts = seg[0::2], seg[1::2]
+        # The slot's last launch (ids grow); an older launch's leftover blocks are skipped.
+        grid = max(gids)
+        times, seen = [], set()
+        for m in range(marks):
+            hits = [(b, t) for b, (g, t) in enumerate(zip(gids[m::marks], ts[m::marks])) if g == grid]
+            times.append([t for _, t in hits])
+            seen.update(b for b, _ in hits)
+        if not times[1]:
+            continue
+        out.append({
+            "grid": grid,
+            "blocks": len(seen),
+            "arrive_min": min(times[0]) if times[0] else None,
+            "arrive_max": max(times[0]) if times[0] else None,
+            "release": min(times[1]),
+            "trigger_max": max(times[2]) if times[2] else None,
+        })
+    out.sort(key=lambda l: l["grid"])
+    return out
+
+
+def find_step(ls, step):
+    """The recorded step's launches (None where a launch stored nothing), the first one's id."""
+    n = len(step)
+    want = [s["blocks"] for s in step]
+    # A replayed CUDA graph's kernels keep the launch ids they were given when it was recorded
+    # (seen on the H200's driver): each slot holds its kernel's marks from the graph's last
+    # replay. The step is the last run of consecutive ids whose block counts are the recorded
+    # step's (blocks that leave before their wait store nothing, so a launch may show fewer).
+    fits = lambda c, w: c == w or 0 < c < w
+    by_id = {l["grid"]: l for l in ls}
+    for l in reversed(ls):
+        g = l["grid"]
+        if g + n - 1 in by_id and all(fits(by_id[g + k]["blocks"], want[k]) for k in range(n) if g + k in by_id):
+            return [by_id.get(g + k) for k in range(n)], g
+    return None, None
+
+
+def rows_of(step, step_ls):
+    """(label, blocks, crit, arrive, late, trig) a launch, in microseconds; NaN where unknown."""
+    nan, us = float("nan"), 1e-3
+    rows = []
+    for k, cur in enumerate(step_ls):
+        if cur is None:  # stored nothing: the launch before it takes its time too
+            rows.append((step[k]["label"], step[k]["blocks"], nan, nan, nan, nan))
+            continue
+        nxt = next((l for l in step_ls[k + 1:] if l), None)
+        prev = step_ls[k - 1] if k > 0 else None
+        crit = (nxt["release"] - cur["release"]) * us if nxt else nan
+        arrive = (cur["arrive_min"] - prev["release"]) * us if prev and cur["arrive_min"] else nan
+        late = (cur["arrive_max"] - cur["release"]) * us if cur["arrive_max"] else nan
+        trig = (cur["trigger_max"] - cur["release"]) * us if cur["trigger_max"] else nan
+        rows.append((step[k]["label"], step[k]["blocks"], crit, arrive, late, trig))
+    return rows
+
+
+def families(rows):
+    """Per family (the label up to its first '['): (launches, crit summed, median crit, late,
+    trig), largest first; launches without a crit (nothing stored, the step's last) left out."""
+    fam = defaultdict(list)
+    for label, _, crit, _, late, trig in rows:
+        if crit == crit:
+            fam[label.split("[")[0]].append((crit, late, trig))
+    out = []
+    for name, v in fam.items():
+        med = lambda i: statistics.median(x[i] for x in v)
+        out.append((name, len(v), sum(x[0] for x in v), med(0), med(1), med(2)))
+    return sorted(out, key=lambda f: -f[2])
+
+
+def main():
+    args = sys.argv[1:]
+    dump = source = None
+    for flag in ("--launches-json", "--from-launches"):
+        if flag in args:
+            i = args.index(flag)
+            if flag == "--launches-json":
+                dump = args[i + 1]
+            else:
+                source = args[i + 1]
+            del args[i:i + 2]
+    if len(args) != 1:
+        sys.exit(__doc__)
+    path = args[0]
+    with open(path + ".json") as f:
+        meta = json.load(f)
+    step = meta["step"]
+    if not step:
+        sys.exit("no recorded decode step in " + path + ".json")
+    step = [dict(s, blocks=min(s["blocks"], meta["blocks_per_launch"])) for s in step]
+    if source:
+        with open(source) as f:
+            ls = json.load(f)
+    else:
+        ls = launches(path, meta)
+    if dump:
+        with open(dump, "w") as f:
+            json.dump(ls, f)
+    step_ls, first = find_step(ls, step)
+    if step_ls is None:
+        sys.exit(f"no run of {len(step)} launches with the recorded step's block counts among {len(ls)}")
+    n = len(step)
+    rows = rows_of(step, step_ls)
+    present = [l for l in step_ls if l]
+    total = (present[-1]["release"] - present[0]["release"]) * 1e-3
+    print(f"one step of {n} launches (ids {first}..{first + n - 1}, the graph's last replay); "
+          f"{total:.1f} us from the first launch's release to the last's")
+    print("| # | launch | blocks | crit | arrive | late | trig |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for k, (label, blocks, crit, arrive, late, trig) in enumerate(rows):
+        print(f"| {k} | {label} | {blocks} | {crit:.2f} | {arrive:.2f} | {late:.2f} | {trig:.2f} |")
+    print()
+    print("| family | launches | crit, us a step | median crit | median late | median trig |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, count, crit, mcrit, mlate, mtrig in families(rows):
+        print(f"| {name} | {count} | {crit:.1f} | {mcrit:.2f} | {mlate:.2f} | {mtrig:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
