@@ -35,10 +35,11 @@ def launches(path, meta):
     per_slot = blocks * marks * 2
     out = []
     for s in range(slots):
-        if not raw[s * per_slot * 8:(s + 1) * per_slot * 8].strip(b"\0"):
+        chunk = raw[s * per_slot * 8:(s + 1) * per_slot * 8]
+        if not chunk.strip(b"\0"):
             continue
         seg = array("Q")
-        seg.frombytes(raw[s * per_slot * 8:(s + 1) * per_slot * 8])
+        seg.frombytes(chunk)
         if sys.byteorder != "little":
             seg.byteswap()
         gids, ts = seg[0::2], seg[1::2]

@@ -2,7 +2,7 @@
 //! (CI installs the nvidia-cuda-nvrtc wheel and sets LILY_REQUIRE_NVRTC=1, so there a missing
 //! NVRTC fails the test). Elsewhere, without NVRTC, the tests say they skipped and why.
 
-use engine::backend::cuda::nvrtc;
+use engine::backend::cuda::{nvrtc, timeline};
 
 fn nvrtc_or_skip(test: &str) -> Option<(i32, i32)> {
     match nvrtc::load() {
@@ -48,7 +48,7 @@ fn every_kernel_compiles_with_the_timeline_marks() {
     // LILY_CUDA_TIMELINE compiles the marks into every family (kernels/common.cuh); the GPU
     // machine's NVRTC is the same one, for sm_90a.
     for (name, source) in nvrtc::KERNELS {
-        let marked = format!("{}{source}", nvrtc::TIMELINE_DEFINE);
+        let marked = format!("{}{source}", timeline::source_defines());
         let image = nvrtc::compile(name, &marked, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
         assert!(image.starts_with(b"\x7fELF"), "{name}: not an ELF CUBIN");
     }

@@ -9,7 +9,7 @@
 
 pub mod device;
 pub mod nvrtc;
-mod timeline;
+pub mod timeline;
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

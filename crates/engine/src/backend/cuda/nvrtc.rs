@@ -52,14 +52,10 @@ pub fn kernel_source(family: &str) -> Result<std::borrow::Cow<'static, str>> {
     )?;
     // The timeline's marks (timeline.rs) are compiled in only when asked for.
     Ok(match super::timeline::requested() {
-        Some(_) => format!("{TIMELINE_DEFINE}{source}").into(),
+        Some(_) => format!("{}{source}", super::timeline::source_defines()).into(),
         None => source,
     })
 }
-
-/// What a kernel source starts with when the decode step's timeline is asked for (timeline.rs,
-/// kernels/common.cuh).
-pub const TIMELINE_DEFINE: &str = "#define LILY_TIMELINE\n";
 
 fn kernel_source_in(family: &str, dir: Option<PathBuf>) -> Result<std::borrow::Cow<'static, str>> {
     let embedded = KERNELS

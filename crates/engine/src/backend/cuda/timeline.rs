@@ -17,11 +17,20 @@ use cudarc::driver::{CudaModule, CudaSlice, CudaStream, DevicePtr};
 use super::device::driver;
 use crate::error::{Error, Result};
 
-/// Launch slots and blocks a launch of the buffer (kernels/common.cuh: `TIMELINE_LAUNCHES`,
-/// `TIMELINE_BLOCKS`), three marks each.
+/// Launch slots of the buffer, blocks a launch and marks a block (the kernels get them from
+/// `source_defines`).
 const LAUNCHES: usize = 4096;
 const BLOCKS: usize = 1024;
 const MARKS: usize = 3;
+
+/// What a kernel source starts with when the timeline is asked for: the switch of
+/// kernels/common.cuh's marks and the buffer's layout.
+pub fn source_defines() -> String {
+    format!(
+        "#define LILY_TIMELINE\n#define TIMELINE_LAUNCHES {LAUNCHES}\n\
+         #define TIMELINE_BLOCKS {BLOCKS}\n#define TIMELINE_MARKS {MARKS}\n"
+    )
+}
 
 /// Where the timeline goes, when one was asked for.
 pub fn requested() -> Option<PathBuf> {
@@ -34,7 +43,7 @@ pub struct Timeline {
     path: PathBuf,
     records: CudaSlice<u64>,
     /// The recorded decode step's launches: label and blocks.
-    step: Mutex<Vec<(String, u32)>>,
+    step: Mutex<Vec<(&'static str, u32)>>,
 }
 
 impl Timeline {
@@ -67,9 +76,9 @@ impl Timeline {
         }
     }
 
-    pub fn launched(&self, label: &str, blocks: u32) {
+    pub fn launched(&self, label: &'static str, blocks: u32) {
         if let Ok(mut s) = self.step.lock() {
-            s.push((label.to_string(), blocks));
+            s.push((label, blocks));
         }
     }
 

@@ -8,12 +8,12 @@ typedef unsigned long long u64;
 #define NEG_INF __int_as_float(0xff800000u)
 
 // The decode step's timeline (`LILY_CUDA_TIMELINE`, tools/timeline.py): compiled in only when
-// nvrtc.rs defines LILY_TIMELINE. Thread 0 of every block stores the global time at three marks:
-// reaching its wait for the previous kernel (0), the wait's return (1) and letting the next kernel
-// launch (2), in slot (launch id % TIMELINE_LAUNCHES, block, mark) of the host's buffer, as plain
-// stores (an atomic's round trip would hold the block back). Records are (launch id, time).
-#define TIMELINE_LAUNCHES 4096
-#define TIMELINE_BLOCKS 1024
+// the host puts timeline.rs's defines in front of the source (LILY_TIMELINE and the buffer's
+// TIMELINE_LAUNCHES, TIMELINE_BLOCKS, TIMELINE_MARKS). Thread 0 of every block stores the global
+// time at three marks: reaching its wait for the previous kernel (0), the wait's return (1) and
+// letting the next kernel launch (2), in slot (launch id % TIMELINE_LAUNCHES, block, mark) of the
+// host's buffer, as plain stores (an atomic's round trip would hold the block back). Records are
+// (launch id, time).
 #ifdef LILY_TIMELINE
 extern "C" {
 __device__ u64* lily_timeline;
@@ -24,7 +24,7 @@ __device__ __forceinline__ void timeline_mark(u32 mark) {
     u64 grid, t;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    const u64 slot = ((grid % TIMELINE_LAUNCHES) * TIMELINE_BLOCKS + block) * 3 + mark;
+    const u64 slot = ((grid % TIMELINE_LAUNCHES) * TIMELINE_BLOCKS + block) * TIMELINE_MARKS + mark;
     asm volatile("st.global.v2.u64 [%0], {%1, %2};" ::"l"(lily_timeline + 2 * slot), "l"(grid), "l"(t) : "memory");
 }
 #else
