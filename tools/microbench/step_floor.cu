@@ -20,9 +20,13 @@
 //    (the next kernel's block then fits beside it). Then each family's kernel alone in a chain of 40
 //    (the small ones' buffers stay in L2 between replays).
 //
+// 3. The same step as one persistent kernel (persistent_step): every dependency a counter in
+//    global memory, every block paging its slice of each kernel's bytes through shared memory as
+//    far ahead as its ring of pages and the routing allow. The floor of a decode megakernel.
+//
 // Build and run on the GPU machine (nvcc is there, no Rust needed):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/step_floor tools/microbench/step_floor.cu
-//   /tmp/step_floor
+//   timeout 300 /tmp/step_floor   (part 3 spins on counters: a fault there must not hold the call)
 // Prints markdown tables: microseconds (the mean of 5 runs of 50 replays each, after 10 warm-up
 // replays, with the runs' min and max).
 #include <cuda_runtime.h>
@@ -164,6 +168,133 @@ __global__ void __launch_bounds__(256) product(const uint4* __restrict__ w, long
         x_out[blockIdx.x * per + threadIdx.x] = (float)(a & 0xffff) + xs[threadIdx.x];
     }
     if (threadIdx.x == 0) sink[blockIdx.x] ^= red[0];
+}
+
+// 3. The persistent form of the step (session 38): one cooperative kernel whose blocks walk the
+// step's kernels of part 2 as levels, each level depending on the whole level before it (as a
+// product depends on all of x). A block reads its slice of every level's bytes through a ring of
+// PAGES shared-memory pages of 32 KiB (cp.async, 16 bytes a copy; each thread consumes the words
+// it copied itself, so the ring needs no barrier), copying as far ahead as the ring allows and
+// across levels, except that a routed level's copies wait until the block has seen its router's
+// level complete (the expert ids come from it). With AHEAD false it copies only the level it is
+// on (no loads across a level's wait). A level: thread 0 waits until the level before has been
+// completed by every block (a counter in global memory, one increment a block a step), then every
+// thread reads its 16 floats of the level before's output (4,096 floats, from L2, as `product`
+// stages x), folds its words with them as the ring delivers them, and the block reduces and
+// writes its slice of the level's output, then counts itself in the level's counter. What this
+// times is the floor of a decode step made of one persistent kernel with the weights paged
+// through shared memory ahead of the dependencies: every dependency as a counter, every load as
+// early as the ring and the routing allow.
+constexpr int PAGE_WORDS = 2048;  // 16-byte words in a 32 KiB page: eight a thread
+struct Level {
+    const uint4* w;
+    long long per;  // 16-byte words a block reads (the last blocks may read fewer)
+    long long words;
+    int chunks;  // pages a block's slice takes, at least one
+    int dep;     // for a routed level, the index of its router's level; else -1
+};
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void copy16(uint4* dst, const uint4* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+// Until at most n of the thread's copy groups are in flight (n below 8).
+__device__ __forceinline__ void copies_in_flight_at_most(int n) {
+    switch (n) {
+        case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+        case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+        case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+        case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+        case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+        case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+        case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+        default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+    }
+}
+
+// `target`: the count every level's counter reaches in this launch (launch number x blocks).
+__global__ void __launch_bounds__(256, 1) persistent_step(const Level* __restrict__ levels, int nlevels,
+                                                        unsigned* counters, unsigned target, float* xbuf,
+                                                        unsigned* sink, int pages, int ahead) {
+    extern __shared__ uint4 ring[];  // pages * PAGE_WORDS words, then 8 for the reduction
+    unsigned* red = reinterpret_cast<unsigned*>(ring + pages * PAGE_WORDS);
+    const int tid = threadIdx.x;
+    int il = 0, ic = 0;                   // the next page to copy: level il's chunk ic
+    long long issued = 0, consumed = 0;  // pages copied (requested) and consumed by this block
+    int seen = -1;                        // the last level this block has seen complete
+    auto slice_start = [&](const Level& L) { return min(L.words, L.per * blockIdx.x); };
+    auto issue = [&](int current) {
+        while (issued - consumed < pages && il < nlevels) {
+            const Level& L = levels[il];
+            if ((!ahead && il > current) || L.dep > seen) break;
+            const long long b0 = slice_start(L), b1 = min(L.words, b0 + L.per);
+            const long long c0 = b0 + (long long)ic * PAGE_WORDS;
+            uint4* page = ring + (issued % pages) * PAGE_WORDS;
+#pragma unroll
+            for (int u = 0; u < PAGE_WORDS / 256; ++u) {
+                const long long j = c0 + tid + 256 * u;
+                if (j < b1) copy16(page + tid + 256 * u, L.w + j);
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
+            ++issued;
+            if (++ic == L.chunks) {
+                ic = 0;
+                ++il;
+            }
+        }
+    };
+    for (int l = 0; l < nlevels; ++l) {
+        const Level L = levels[l];
+        issue(l);
+        if (l > 0) {
+            if (tid == 0)
+                while (ld_acquire(counters + l - 1) < target) {
+                }
+            __syncthreads();
+            seen = l - 1;
+        }
+        float x[16];
+        const float* xi = xbuf + (size_t)l * X_LEN;
+#pragma unroll
+        for (int u = 0; u < 16; ++u) x[u] = __ldcg(xi + ((tid + 256 * u) & (X_LEN - 1)));
+        const long long b0 = slice_start(L), b1 = min(L.words, b0 + L.per);
+        unsigned acc = 0;
+#pragma unroll
+        for (int u = 0; u < 16; ++u) acc ^= __float_as_uint(x[u]);  // every staged value used
+        for (int c = 0; c < L.chunks; ++c) {
+            issue(l);
+            copies_in_flight_at_most((int)(issued - consumed - 1));
+            const uint4* page = ring + (consumed % pages) * PAGE_WORDS;
+            const long long c0 = b0 + (long long)c * PAGE_WORDS;
+#pragma unroll
+            for (int u = 0; u < PAGE_WORDS / 256; ++u)
+                if (c0 + tid + 256 * u < b1) {
+                    const uint4 v = page[tid + 256 * u];
+                    acc ^= (v.x ^ v.y ^ v.z ^ v.w) + __float_as_uint(x[u]) + c;
+                }
+            ++consumed;
+        }
+        for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+        if ((tid & 31) == 0) red[tid >> 5] = acc;
+        __syncthreads();
+        const int per_x = (X_LEN + gridDim.x - 1) / gridDim.x;
+        if (tid < per_x && blockIdx.x * per_x + tid < X_LEN) {
+            unsigned a = 0;
+            for (int k = 0; k < 8; ++k) a ^= red[k];
+            xbuf[(size_t)(l + 1) * X_LEN + blockIdx.x * per_x + tid] = (float)(a & 0xffff) + x[0];
+        }
+        if (tid == 0) sink[blockIdx.x] ^= red[0];
+        __syncthreads();  // the block's writes (and its reads of red) before it counts itself
+        if (tid == 0) {
+            __threadfence();
+            atomicAdd(counters + l, 1u);
+        }
+    }
 }
 
 // A launch on `s` of `grid` blocks of 256 threads with `smem` bytes of dynamic shared memory and,
@@ -391,5 +522,70 @@ int main() {
         CHECK(cudaGraphExecDestroy(ge));
         CHECK(cudaGraphDestroy(g));
     }
+    // 3. The persistent form (see persistent_step): the same levels as part 2's chain, the routed
+    // experts' gate/up and down waiting for their router's level; one or two blocks an SM.
+    std::printf("\n| the 35B step as one persistent kernel, %d levels | context | blocks | pages of 32 KiB a block | "
+                "copies across levels | us a step (mean of 5) | min | max | tok/s | GB/s |\n",
+                kernels);
+    std::printf("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|\n");
+    unsigned* counters;
+    CHECK(cudaMalloc(&counters, kernels * sizeof(unsigned)));
+    Level* d_levels;
+    CHECK(cudaMalloc(&d_levels, kernels * sizeof(Level)));
+    struct Form {
+        int per_sm, pages, ahead;
+    };
+    const Form forms[] = {{1, 6, 1}, {1, 3, 1}, {1, 6, 0}, {2, 3, 1}};
+    for (long long keys : {256LL, 32768LL}) {
+        double total_mb = 0;
+        std::vector<uint4*> pbufs(kernels);
+        std::vector<long long> pwords(kernels);
+        for (int k = 0; k < kernels; ++k) {
+            const int l = k / 7, f = k % 7;
+            double mb = k == kernels - 1 ? head_mb : layer_mb[f];
+            if (k < kernels - 1 && f == 2 && l % 4 == 3) mb = keys * 2 * 256 * 2 * 2 / 1e6;
+            pwords[k] = (long long)(mb * 1e6 / 16);
+            total_mb += mb;
+            CHECK(cudaMalloc(&pbufs[k], pwords[k] * 16 + 16));
+            CHECK(cudaMemset(pbufs[k], k & 0xff, pwords[k] * 16 + 16));
+        }
+        for (const Form& form : forms) {
+            const int grid = form.per_sm * sms;
+            const int psmem = form.pages * PAGE_WORDS * 16 + 64;
+            CHECK(cudaFuncSetAttribute(persistent_step, cudaFuncAttributeMaxDynamicSharedMemorySize, psmem));
+            int fit = 0;
+            CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, persistent_step, 256, psmem));
+            if (fit < form.per_sm) {
+                std::printf("| (%d blocks an SM with %d pages do not fit: %d) | | | | | | | | | |\n", form.per_sm,
+                            form.pages, fit);
+                continue;
+            }
+            std::vector<Level> levels(kernels);
+            for (int k = 0; k < kernels; ++k) {
+                const long long per = (pwords[k] + grid - 1) / grid;
+                const bool routed_level = k < kernels - 1 && (k % 7 == 5 || k % 7 == 6);
+                levels[k] = {pbufs[k], per, pwords[k], (int)std::max(1LL, (per + PAGE_WORDS - 1) / PAGE_WORDS),
+                             routed_level ? k - (k % 7 - 4) : -1};
+            }
+            CHECK(cudaMemcpy(d_levels, levels.data(), kernels * sizeof(Level), cudaMemcpyHostToDevice));
+            CHECK(cudaMemset(counters, 0, kernels * sizeof(unsigned)));
+            unsigned launches = 0, target = 0;
+            int nlevels = kernels, pages = form.pages, ahead = form.ahead;
+            void* args[] = {&d_levels, &nlevels, &counters, &target, &xbuf, &sink, &pages, &ahead};
+            const Stat t = time_us(
+                s,
+                [&] {
+                    target = ++launches * (unsigned)grid;
+                    CHECK(cudaLaunchCooperativeKernel((void*)persistent_step, dim3(grid), dim3(256), args, psmem,
+                                                      s));
+                },
+                1);
+            std::printf("| persistent | %lld | %d x 256 | %d | %s | %.0f | %.0f | %.0f | %.0f | %.0f |\n", keys, grid,
+                        form.pages, form.ahead ? "yes" : "no", t.mean, t.lo, t.hi, 1e6 / t.mean,
+                        total_mb / t.mean * 1e3);
+        }
+        for (int k = 0; k < kernels; ++k) CHECK(cudaFree(pbufs[k]));
+    }
+    CHECK(cudaStreamSynchronize(s));
     return 0;
 }
