@@ -18,17 +18,17 @@ use super::device::driver;
 use crate::error::{Error, Result};
 
 /// Launch slots of the buffer, blocks a launch and marks a block (the kernels get them from
-/// `source_defines`).
+/// `with_marks`).
 const LAUNCHES: usize = 4096;
 const BLOCKS: usize = 1024;
 const MARKS: usize = 3;
 
-/// What a kernel source starts with when the timeline is asked for: the switch of
+/// A kernel source as it is compiled when the timeline is asked for: behind the switch of
 /// kernels/common.cuh's marks and the buffer's layout.
-pub fn source_defines() -> String {
+pub fn with_marks(source: &str) -> String {
     format!(
         "#define LILY_TIMELINE\n#define TIMELINE_LAUNCHES {LAUNCHES}\n\
-         #define TIMELINE_BLOCKS {BLOCKS}\n#define TIMELINE_MARKS {MARKS}\n"
+         #define TIMELINE_BLOCKS {BLOCKS}\n#define TIMELINE_MARKS {MARKS}\n{source}"
     )
 }
 
