@@ -436,15 +436,9 @@ int main() {
     };
     std::vector<uint4*> bufs(kernels);
     std::vector<long long> words(kernels);
-    std::printf("| the 35B step as %d streaming kernels | context | MB | us a step (mean of 5) | min | max | "
-                "tok/s | GB/s |\n",
-                kernels);
-    std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
-    // mode 0: every kernel prefetches but the routed experts'; 1: none does; 2: every one does.
-    const char* modes[3] = {"prefetch (the routed experts wait first)", "every kernel waits first",
-                            "every kernel prefetches"};
-    const long long contexts[3] = {256, 32768, 131072};
-    for (long long keys : contexts) {
+    // Each kernel's buffer (bufs, words) at a context of `keys` (the attention layers' KV cache
+    // grows with it); returns the step's MB.
+    auto alloc_levels = [&](long long keys) {
         double total_mb = 0;
         for (int k = 0; k < kernels; ++k) {
             const int l = k / 7, f = k % 7;
@@ -456,6 +450,21 @@ int main() {
             CHECK(cudaMalloc(&bufs[k], words[k] * 16 + 16));
             CHECK(cudaMemset(bufs[k], k & 0xff, words[k] * 16 + 16));
         }
+        return total_mb;
+    };
+    auto free_levels = [&] {
+        for (int k = 0; k < kernels; ++k) CHECK(cudaFree(bufs[k]));
+    };
+    std::printf("| the 35B step as %d streaming kernels | context | MB | us a step (mean of 5) | min | max | "
+                "tok/s | GB/s |\n",
+                kernels);
+    std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    // mode 0: every kernel prefetches but the routed experts'; 1: none does; 2: every one does.
+    const char* modes[3] = {"prefetch (the routed experts wait first)", "every kernel waits first",
+                            "every kernel prefetches"};
+    const long long contexts[3] = {256, 32768, 131072};
+    for (long long keys : contexts) {
+        const double total_mb = alloc_levels(keys);
         for (int mode = 0; mode < 3; ++mode) {
             if (keys != 256 && mode != 0) continue;
             cudaGraph_t g;
@@ -497,8 +506,7 @@ int main() {
             CHECK(cudaGraphExecDestroy(ge));
             CHECK(cudaGraphDestroy(g));
         }
-        if (keys != contexts[2])
-            for (int k = 0; k < kernels; ++k) CHECK(cudaFree(bufs[k]));
+        if (keys != contexts[2]) free_levels();
     }
     // One kernel of each family's size in a chain of 40 (prefetching), for the per-family floor:
     // the GDN layers' buffers (30 of them), each read once or twice.
@@ -536,19 +544,9 @@ int main() {
         int per_sm, pages, ahead;
     };
     const Form forms[] = {{1, 6, 1}, {1, 3, 1}, {1, 6, 0}, {2, 3, 1}};
+    free_levels();  // part 2's last context, which the family chains used
     for (long long keys : {256LL, 32768LL}) {
-        double total_mb = 0;
-        std::vector<uint4*> pbufs(kernels);
-        std::vector<long long> pwords(kernels);
-        for (int k = 0; k < kernels; ++k) {
-            const int l = k / 7, f = k % 7;
-            double mb = k == kernels - 1 ? head_mb : layer_mb[f];
-            if (k < kernels - 1 && f == 2 && l % 4 == 3) mb = keys * 2 * 256 * 2 * 2 / 1e6;
-            pwords[k] = (long long)(mb * 1e6 / 16);
-            total_mb += mb;
-            CHECK(cudaMalloc(&pbufs[k], pwords[k] * 16 + 16));
-            CHECK(cudaMemset(pbufs[k], k & 0xff, pwords[k] * 16 + 16));
-        }
+        const double total_mb = alloc_levels(keys);
         for (const Form& form : forms) {
             const int grid = form.per_sm * sms;
             const int psmem = form.pages * PAGE_WORDS * 16 + 64;
@@ -562,9 +560,9 @@ int main() {
             }
             std::vector<Level> levels(kernels);
             for (int k = 0; k < kernels; ++k) {
-                const long long per = (pwords[k] + grid - 1) / grid;
+                const long long per = (words[k] + grid - 1) / grid;
                 const bool routed_level = k < kernels - 1 && (k % 7 == 5 || k % 7 == 6);
-                levels[k] = {pbufs[k], per, pwords[k], (int)std::max(1LL, (per + PAGE_WORDS - 1) / PAGE_WORDS),
+                levels[k] = {bufs[k], per, words[k], (int)std::max(1LL, (per + PAGE_WORDS - 1) / PAGE_WORDS),
                              routed_level ? k - (k % 7 - 4) : -1};
             }
             CHECK(cudaMemcpy(d_levels, levels.data(), kernels * sizeof(Level), cudaMemcpyHostToDevice));
@@ -584,7 +582,7 @@ int main() {
                         form.pages, form.ahead ? "yes" : "no", t.mean, t.lo, t.hi, 1e6 / t.mean,
                         total_mb / t.mean * 1e3);
         }
-        for (int k = 0; k < kernels; ++k) CHECK(cudaFree(pbufs[k]));
+        free_levels();
     }
     CHECK(cudaStreamSynchronize(s));
     return 0;
