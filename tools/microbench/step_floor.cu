@@ -22,7 +22,9 @@
 //
 // 3. The same step as one persistent kernel (persistent_step): every dependency a counter in
 //    global memory, every block paging its slice of each kernel's bytes through shared memory as
-//    far ahead as its ring of pages and the routing allow. The floor of a decode megakernel.
+//    far ahead as its ring of pages and the routing allow. The floor of a decode megakernel; with
+//    a release reduction for the hand-over, with one float of x a thread, and with no weights (the
+//    dependencies' chain alone).
 //
 // Build and run on the GPU machine (nvcc is there, no Rust needed):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/step_floor tools/microbench/step_floor.cu
@@ -184,7 +186,9 @@ __global__ void __launch_bounds__(256) product(const uint4* __restrict__ w, long
 // writes its slice of the level's output, then counts itself in the level's counter. What this
 // times is the floor of a decode step made of one persistent kernel with the weights paged
 // through shared memory ahead of the dependencies: every dependency as a counter, every load as
-// early as the ring and the routing allow.
+// early as the ring and the routing allow. RELEASE counts a block in with one release reduction
+// instead of a fence and an atomic add; without STAGE_X a thread reads one float of x, not 16 (the
+// share of x's staging in a level).
 constexpr int PAGE_WORDS = 2048;  // 16-byte words in a 32 KiB page: eight a thread
 struct Level {
     const uint4* w;
@@ -220,7 +224,8 @@ __device__ __forceinline__ void copies_in_flight_at_most(int n) {
 // `target`: the count every level's counter reaches in this launch (launch number x blocks).
 __global__ void __launch_bounds__(256, 1) persistent_step(const Level* __restrict__ levels, int nlevels,
                                                         unsigned* counters, unsigned target, float* xbuf,
-                                                        unsigned* sink, int pages, int ahead) {
+                                                        unsigned* sink, int pages, int ahead, int release,
+                                                        int stage_x) {
     extern __shared__ uint4 ring[];  // pages * PAGE_WORDS words, then 8 for the reduction
     unsigned* red = reinterpret_cast<unsigned*>(ring + pages * PAGE_WORDS);
     const int tid = threadIdx.x;
@@ -261,7 +266,7 @@ __global__ void __launch_bounds__(256, 1) persistent_step(const Level* __restric
         float x[16];
         const float* xi = xbuf + (size_t)l * X_LEN;
 #pragma unroll
-        for (int u = 0; u < 16; ++u) x[u] = __ldcg(xi + ((tid + 256 * u) & (X_LEN - 1)));
+        for (int u = 0; u < 16; ++u) x[u] = stage_x || u == 0 ? __ldcg(xi + ((tid + 256 * u) & (X_LEN - 1))) : 0.f;
         const long long b0 = slice_start(L), b1 = min(L.words, b0 + L.per);
         unsigned acc = 0;
 #pragma unroll
@@ -291,8 +296,13 @@ __global__ void __launch_bounds__(256, 1) persistent_step(const Level* __restric
         if (tid == 0) sink[blockIdx.x] ^= red[0];
         __syncthreads();  // the block's writes (and its reads of red) before it counts itself
         if (tid == 0) {
-            __threadfence();
-            atomicAdd(counters + l, 1u);
+            if (release) {
+                // One release reduction, cumulative over the block's writes ordered by the barrier.
+                asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + l) : "memory");
+            } else {
+                __threadfence();
+                atomicAdd(counters + l, 1u);
+            }
         }
     }
 }
@@ -533,17 +543,21 @@ int main() {
     // 3. The persistent form (see persistent_step): the same levels as part 2's chain, the routed
     // experts' gate/up and down waiting for their router's level; one or two blocks an SM.
     std::printf("\n| the 35B step as one persistent kernel, %d levels | context | blocks | pages of 32 KiB a block | "
-                "copies across levels | us a step (mean of 5) | min | max | tok/s | GB/s |\n",
+                "copies across levels | hand-over | x staged | weights | us a step (mean of 5) | min | max | tok/s | "
+                "GB/s |\n",
                 kernels);
-    std::printf("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|\n");
+    std::printf("|---|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|\n");
     unsigned* counters;
     CHECK(cudaMalloc(&counters, kernels * sizeof(unsigned)));
     Level* d_levels;
     CHECK(cudaMalloc(&d_levels, kernels * sizeof(Level)));
+    // weights 0: every level reads no bytes, so the step is its chain of dependencies alone.
     struct Form {
-        int per_sm, pages, ahead;
+        int per_sm, pages, ahead, release, stage_x, weights;
     };
-    const Form forms[] = {{1, 6, 1}, {1, 3, 1}, {1, 6, 0}, {2, 3, 1}};
+    const Form forms[] = {{1, 6, 1, 0, 1, 1}, {1, 3, 1, 0, 1, 1}, {1, 6, 0, 0, 1, 1}, {2, 3, 1, 0, 1, 1},
+                          {2, 3, 1, 1, 1, 1}, {1, 6, 1, 1, 1, 1}, {2, 3, 1, 1, 0, 1}, {2, 3, 1, 1, 1, 0},
+                          {2, 3, 1, 1, 0, 0}};
     free_levels();  // part 2's last context, which the family chains used
     for (long long keys : {256LL, 32768LL}) {
         const double total_mb = alloc_levels(keys);
@@ -554,22 +568,24 @@ int main() {
             int fit = 0;
             CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, persistent_step, 256, psmem));
             if (fit < form.per_sm) {
-                std::printf("| (%d blocks an SM with %d pages do not fit: %d) | | | | | | | | | |\n", form.per_sm,
+                std::printf("| (%d blocks an SM with %d pages do not fit: %d) | | | | | | | | | | | | |\n", form.per_sm,
                             form.pages, fit);
                 continue;
             }
             std::vector<Level> levels(kernels);
             for (int k = 0; k < kernels; ++k) {
-                const long long per = (words[k] + grid - 1) / grid;
+                const long long level_words = form.weights ? words[k] : 0;
+                const long long per = (level_words + grid - 1) / grid;
                 const bool routed_level = k < kernels - 1 && (k % 7 == 5 || k % 7 == 6);
-                levels[k] = {bufs[k], per, words[k], (int)std::max(1LL, (per + PAGE_WORDS - 1) / PAGE_WORDS),
+                levels[k] = {bufs[k], per, level_words, (int)std::max(1LL, (per + PAGE_WORDS - 1) / PAGE_WORDS),
                              routed_level ? k - (k % 7 - 4) : -1};
             }
             CHECK(cudaMemcpy(d_levels, levels.data(), kernels * sizeof(Level), cudaMemcpyHostToDevice));
             CHECK(cudaMemset(counters, 0, kernels * sizeof(unsigned)));
             unsigned launches = 0, target = 0;
-            int nlevels = kernels, pages = form.pages, ahead = form.ahead;
-            void* args[] = {&d_levels, &nlevels, &counters, &target, &xbuf, &sink, &pages, &ahead};
+            int nlevels = kernels, pages = form.pages, ahead = form.ahead, release = form.release,
+                stage_x = form.stage_x;
+            void* args[] = {&d_levels, &nlevels, &counters, &target, &xbuf, &sink, &pages, &ahead, &release, &stage_x};
             const Stat t = time_us(
                 s,
                 [&] {
@@ -578,9 +594,11 @@ int main() {
                                                       s));
                 },
                 1);
-            std::printf("| persistent | %lld | %d x 256 | %d | %s | %.0f | %.0f | %.0f | %.0f | %.0f |\n", keys, grid,
-                        form.pages, form.ahead ? "yes" : "no", t.mean, t.lo, t.hi, 1e6 / t.mean,
-                        total_mb / t.mean * 1e3);
+            const double mb = form.weights ? total_mb : 0.0;
+            std::printf("| persistent | %lld | %d x 256 | %d | %s | %s | %s | %s | %.0f | %.0f | %.0f | %.0f | %.0f |\n",
+                        keys, grid, form.pages, form.ahead ? "yes" : "no", form.release ? "release add" : "fence, atomic",
+                        form.stage_x ? "16 a thread" : "1 a thread", form.weights ? "yes" : "none", t.mean, t.lo, t.hi,
+                        1e6 / t.mean, mb / t.mean * 1e3);
         }
         free_levels();
     }
