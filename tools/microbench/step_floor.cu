@@ -25,6 +25,8 @@
 //    far ahead as its ring of pages and the routing allow. The floor of a decode megakernel; with
 //    a release reduction for the hand-over, with one float of x a thread, and with no weights (the
 //    dependencies' chain alone).
+// 4. That kernel with the dependencies a fused step needs rather than whole-level ones: a head's
+//    recurrence waiting for its group of blocks, the split-K out_proj and expert down for nothing.
 //
 // Build and run on the GPU machine (nvcc is there, no Rust needed):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/step_floor tools/microbench/step_floor.cu
@@ -189,6 +191,14 @@ __global__ void __launch_bounds__(256) product(const uint4* __restrict__ w, long
 // early as the ring and the routing allow. RELEASE counts a block in with one release reduction
 // instead of a fence and an atomic add; without STAGE_X a thread reads one float of x, not 16 (the
 // share of x's staging in a level).
+//
+// 4. The same kernel with finer dependencies (session 39): a level may wait for the whole level
+// before it (WAIT_LEVEL, as above), for its group of GROUP consecutive blocks in it (WAIT_GROUP: a
+// GDN head's recurrence, which needs only its head's rows of the in-projections, or attention's
+// kv head), or for nothing (WAIT_NONE: the block's own output, as a split-K out_proj or expert down
+// summing the rows that the same block computed in the level before). A level that does not wait
+// for the whole level before does not read x either. Every block counts itself in its level's
+// counter, and in its group's where the next level waits for groups.
 constexpr int PAGE_WORDS = 2048;  // 16-byte words in a 32 KiB page: eight a thread
 struct Level {
     const uint4* w;
@@ -196,7 +206,10 @@ struct Level {
     long long words;
     int chunks;  // pages a block's slice takes, at least one
     int dep;     // for a routed level, the index of its router's level; else -1
+    int wait;    // what the level waits for in the level before: WAIT_LEVEL, WAIT_GROUP or WAIT_NONE
 };
+enum { WAIT_NONE = 0, WAIT_GROUP = 1, WAIT_LEVEL = 2 };
+constexpr int GROUP = 8, MAX_GROUPS = 64;  // blocks a group; groups a level (grids up to 512 blocks)
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     unsigned v;
@@ -256,17 +269,26 @@ __global__ void __launch_bounds__(256, 1) persistent_step(const Level* __restric
     for (int l = 0; l < nlevels; ++l) {
         const Level L = levels[l];
         issue(l);
-        if (l > 0) {
-            if (tid == 0)
-                while (ld_acquire(counters + l - 1) < target) {
+        const int group = blockIdx.x / GROUP;
+        if (l > 0 && L.wait != WAIT_NONE) {
+            if (tid == 0) {
+                // A group's count in this launch: the launch's number times its blocks.
+                const unsigned group_target = target / gridDim.x * min(GROUP, (int)gridDim.x - group * GROUP);
+                const unsigned* c = L.wait == WAIT_LEVEL ? counters + l - 1
+                                                         : counters + nlevels + (l - 1) * MAX_GROUPS + group;
+                const unsigned want = L.wait == WAIT_LEVEL ? target : group_target;
+                while (ld_acquire(c) < want) {
                 }
+            }
             __syncthreads();
-            seen = l - 1;
+            if (L.wait == WAIT_LEVEL) seen = l - 1;
         }
         float x[16];
         const float* xi = xbuf + (size_t)l * X_LEN;
+        const bool read_x = L.wait == WAIT_LEVEL;
 #pragma unroll
-        for (int u = 0; u < 16; ++u) x[u] = stage_x || u == 0 ? __ldcg(xi + ((tid + 256 * u) & (X_LEN - 1))) : 0.f;
+        for (int u = 0; u < 16; ++u)
+            x[u] = read_x && (stage_x || u == 0) ? __ldcg(xi + ((tid + 256 * u) & (X_LEN - 1))) : 0.f;
         const long long b0 = slice_start(L), b1 = min(L.words, b0 + L.per);
         unsigned acc = 0;
 #pragma unroll
@@ -295,13 +317,20 @@ __global__ void __launch_bounds__(256, 1) persistent_step(const Level* __restric
         }
         if (tid == 0) sink[blockIdx.x] ^= red[0];
         __syncthreads();  // the block's writes (and its reads of red) before it counts itself
+        // The group's counter only where the next level waits for it (part 3's hand-over unchanged).
+        const bool count_group = l + 1 < nlevels && levels[l + 1].wait == WAIT_GROUP;
         if (tid == 0) {
             if (release) {
                 // One release reduction, cumulative over the block's writes ordered by the barrier.
                 asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + l) : "memory");
+                if (count_group)
+                    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + nlevels + l * MAX_GROUPS +
+                                                                                  group)
+                                 : "memory");
             } else {
                 __threadfence();
                 atomicAdd(counters + l, 1u);
+                if (count_group) atomicAdd(counters + nlevels + l * MAX_GROUPS + group, 1u);
             }
         }
     }
@@ -540,24 +569,34 @@ int main() {
         CHECK(cudaGraphExecDestroy(ge));
         CHECK(cudaGraphDestroy(g));
     }
-    // 3. The persistent form (see persistent_step): the same levels as part 2's chain, the routed
-    // experts' gate/up and down waiting for their router's level; one or two blocks an SM.
+    // 3. and 4. The persistent form (see persistent_step): the same levels as part 2's chain, the
+    // routed experts' gate/up and down copied after their router's level; one or two blocks an SM;
+    // each level waiting for the whole level before (3) or as a fused kernel's level must (4).
     std::printf("\n| the 35B step as one persistent kernel, %d levels | context | blocks | pages of 32 KiB a block | "
-                "copies across levels | hand-over | x staged | weights | us a step (mean of 5) | min | max | tok/s | "
+                "copies across levels | hand-over | x staged | weights | waits for | us a step (mean of 5) | min | max | tok/s | "
                 "GB/s |\n",
                 kernels);
-    std::printf("|---|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|\n");
-    unsigned* counters;
-    CHECK(cudaMalloc(&counters, kernels * sizeof(unsigned)));
+    std::printf("|---|---:|---:|---:|---|---|---|---|---|---:|---:|---:|---:|---:|\n");
+    unsigned* counters;  // each level's, then each level's MAX_GROUPS groups'
+    const size_t counter_bytes = (size_t)kernels * (1 + MAX_GROUPS) * sizeof(unsigned);
+    CHECK(cudaMalloc(&counters, counter_bytes));
     Level* d_levels;
     CHECK(cudaMalloc(&d_levels, kernels * sizeof(Level)));
-    // weights 0: every level reads no bytes, so the step is its chain of dependencies alone.
+    // weights 0: every level reads no bytes, so the step is its chain of dependencies alone. fine 1:
+    // part 4's waits. A layer's levels (part 2's order): the in-projections wait for the whole
+    // residual, the conv for nothing (its channels are the block's own rows), the recurrence or
+    // attention for its group (a head's rows), the out_proj for nothing (split over K by head: the
+    // block's own heads), the router for the whole out_proj, the gate/up for the whole router (the
+    // routing), the down for nothing (split over K: the block's own gate/up rows). The split-K
+    // sums' atomics are not modelled: each block writes its slice as in part 3.
     struct Form {
-        int per_sm, pages, ahead, release, stage_x, weights;
+        int per_sm, pages, ahead, release, stage_x, weights, fine;
     };
-    const Form forms[] = {{1, 6, 1, 0, 1, 1}, {1, 3, 1, 0, 1, 1}, {1, 6, 0, 0, 1, 1}, {2, 3, 1, 0, 1, 1},
-                          {2, 3, 1, 1, 1, 1}, {1, 6, 1, 1, 1, 1}, {2, 3, 1, 1, 0, 1}, {2, 3, 1, 1, 1, 0},
-                          {2, 3, 1, 1, 0, 0}};
+    const Form forms[] = {{1, 6, 1, 0, 1, 1, 0}, {1, 3, 1, 0, 1, 1, 0}, {1, 6, 0, 0, 1, 1, 0},
+                          {2, 3, 1, 0, 1, 1, 0}, {2, 3, 1, 1, 1, 1, 0}, {1, 6, 1, 1, 1, 1, 0},
+                          {2, 3, 1, 1, 0, 1, 0}, {2, 3, 1, 1, 1, 0, 0}, {2, 3, 1, 1, 0, 0, 0},
+                          {2, 3, 1, 1, 1, 1, 1}, {1, 6, 1, 1, 1, 1, 1}, {2, 3, 1, 1, 1, 0, 1}};
+    const int fine_wait[7] = {WAIT_LEVEL, WAIT_NONE, WAIT_GROUP, WAIT_NONE, WAIT_LEVEL, WAIT_LEVEL, WAIT_NONE};
     free_levels();  // part 2's last context, which the family chains used
     for (long long keys : {256LL, 32768LL}) {
         const double total_mb = alloc_levels(keys);
@@ -568,7 +607,7 @@ int main() {
             int fit = 0;
             CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, persistent_step, 256, psmem));
             if (fit < form.per_sm) {
-                std::printf("| (%d blocks an SM with %d pages do not fit: %d) | | | | | | | | | | | | |\n", form.per_sm,
+                std::printf("| (%d blocks an SM with %d pages do not fit: %d) | | | | | | | | | | | | | |\n", form.per_sm,
                             form.pages, fit);
                 continue;
             }
@@ -578,10 +617,11 @@ int main() {
                 const long long per = (level_words + grid - 1) / grid;
                 const bool routed_level = k < kernels - 1 && (k % 7 == 5 || k % 7 == 6);
                 levels[k] = {bufs[k], per, level_words, (int)std::max(1LL, (per + PAGE_WORDS - 1) / PAGE_WORDS),
-                             routed_level ? k - (k % 7 - 4) : -1};
+                             routed_level ? k - (k % 7 - 4) : -1,
+                             form.fine && k < kernels - 1 ? fine_wait[k % 7] : WAIT_LEVEL};
             }
             CHECK(cudaMemcpy(d_levels, levels.data(), kernels * sizeof(Level), cudaMemcpyHostToDevice));
-            CHECK(cudaMemset(counters, 0, kernels * sizeof(unsigned)));
+            CHECK(cudaMemset(counters, 0, counter_bytes));
             unsigned launches = 0, target = 0;
             int nlevels = kernels, pages = form.pages, ahead = form.ahead, release = form.release,
                 stage_x = form.stage_x;
@@ -595,10 +635,11 @@ int main() {
                 },
                 1);
             const double mb = form.weights ? total_mb : 0.0;
-            std::printf("| persistent | %lld | %d x 256 | %d | %s | %s | %s | %s | %.0f | %.0f | %.0f | %.0f | %.0f |\n",
-                        keys, grid, form.pages, form.ahead ? "yes" : "no", form.release ? "release add" : "fence, atomic",
-                        form.stage_x ? "16 a thread" : "1 a thread", form.weights ? "yes" : "none", t.mean, t.lo, t.hi,
-                        1e6 / t.mean, mb / t.mean * 1e3);
+            std::printf(
+                "| persistent | %lld | %d x 256 | %d | %s | %s | %s | %s | %s | %.0f | %.0f | %.0f | %.0f | %.0f |\n",
+                keys, grid, form.pages, form.ahead ? "yes" : "no", form.release ? "release add" : "fence, atomic",
+                form.stage_x ? "16 a thread" : "1 a thread", form.weights ? "yes" : "none",
+                form.fine ? "what it reads" : "the whole level", t.mean, t.lo, t.hi, 1e6 / t.mean, mb / t.mean * 1e3);
         }
         free_levels();
     }
