@@ -615,9 +615,10 @@ int main() {
             for (int k = 0; k < kernels; ++k) {
                 const long long level_words = form.weights ? words[k] : 0;
                 const long long per = (level_words + grid - 1) / grid;
+                // The expert gate/up and down (levels 5 and 6 of a layer) copy after the layer's router (4).
                 const bool routed_level = k < kernels - 1 && (k % 7 == 5 || k % 7 == 6);
                 levels[k] = {bufs[k], per, level_words, (int)std::max(1LL, (per + PAGE_WORDS - 1) / PAGE_WORDS),
-                             routed_level ? k - (k % 7 - 4) : -1,
+                             routed_level ? 7 * (k / 7) + 4 : -1,
                              form.fine && k < kernels - 1 ? fine_wait[k % 7] : WAIT_LEVEL};
             }
             CHECK(cudaMemcpy(d_levels, levels.data(), kernels * sizeof(Level), cudaMemcpyHostToDevice));
@@ -643,6 +644,8 @@ int main() {
         }
         free_levels();
     }
+    CHECK(cudaFree(counters));
+    CHECK(cudaFree(d_levels));
     CHECK(cudaStreamSynchronize(s));
     return 0;
 }
