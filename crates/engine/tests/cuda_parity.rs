@@ -612,6 +612,76 @@ fn gated_delta_net_matches_over_chunks() {
     }
 }
 
+/// The conv alone over chunks of `[tokens][channels]` from a fresh window; returns each chunk's
+/// output, then the final window.
+fn conv_on<B: Backend>(
+    b: &B,
+    sh: &GdnShape,
+    taps: &[f32],
+    chunks: &[Vec<f32>],
+    window_out: impl Fn(&B, &B::GdnState) -> Vec<f32>,
+) -> Vec<Vec<f32>> {
+    let c = sh.conv_channels();
+    let mut st = b.new_gdn_state(sh).expect("state");
+    let w = b.upload_vector(taps).expect("taps");
+    let mut outs: Vec<Vec<f32>> = chunks
+        .iter()
+        .map(|x| {
+            let y = b
+                .conv1d_silu(&up(b, x, x.len() / c, c), &w, &mut st, sh)
+                .expect("conv");
+            down(b, &y)
+        })
+        .collect();
+    outs.push(window_out(b, &st));
+    outs
+}
+
+#[test]
+fn conv_matches_in_both_forms() {
+    let Some((cpu, gpu)) = backends_or_skip("conv_matches_in_both_forms") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(27);
+    // The GPU's conv takes four channels a thread for kernels of up to four taps when the
+    // channels are a multiple of four, else a channel a thread: both forms, over chunks that
+    // start and end inside a thread's run of tokens and chunks shorter than the window.
+    // (key dim, value dim, taps): one key and one value head, 2 dk + dv channels.
+    let shapes = [
+        (128, 1024, 4, "four channels a thread"),
+        (128, 1024, 2, "four channels a thread, two taps"),
+        (128, 1024, 6, "a channel a thread: six taps"),
+        (2, 5, 4, "a channel a thread: nine channels"),
+    ];
+    for (key_dim, value_dim, taps, form) in shapes {
+        let sh = GdnShape {
+            key_heads: 1,
+            value_heads: 1,
+            key_dim,
+            value_dim,
+            conv_kernel: taps,
+        };
+        let channels = sh.conv_channels();
+        let w = randn(&mut rng, taps * channels, 0.5);
+        let chunks: Vec<_> = [1, 2, 70, 1, 3, 200]
+            .iter()
+            .map(|&t| randn(&mut rng, t * channels, 2.0))
+            .collect();
+        let on_gpu = conv_on(&gpu, &sh, &w, &chunks, |b, s| {
+            b.device().stream.clone_dtoh(&s.window).expect("window")
+        });
+        let on_cpu = conv_on(&cpu, &sh, &w, &chunks, |_, s| s.window.clone());
+        for (i, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+            let what = if i < chunks.len() {
+                format!("conv chunk {i}")
+            } else {
+                "conv window".into()
+            };
+            close(&format!("{what} ({form})"), g, c);
+        }
+    }
+}
+
 /// A GDN layer's weights for `gdn_mixer_on`: the in-projections (qkv, z, a, b), conv taps, a_log,
 /// dt_bias, the output norm's gains, the output projection and the next norm's gains.
 struct GdnLayer {
@@ -864,7 +934,23 @@ fn attention_matches_at_short_and_long_contexts() {
         rotary_dim: 64,
         rope_theta: 1e7,
     };
-    for sh in [ATTN, small, mid, wide, deep] {
+    // Rotary dims a multiple of 64 at head dims 64 and 128 (the whole head): prefill's attn_prep
+    // then takes a warp a row, as at the 35B's 256 (ATTN, wide); small and mid keep a block a row.
+    let full64 = AttnShape {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        rotary_dim: 64,
+        rope_theta: 1e4,
+    };
+    let full128 = AttnShape {
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 128,
+        rotary_dim: 128,
+        rope_theta: 1e6,
+    };
+    for sh in [ATTN, small, mid, wide, deep, full64, full128] {
         let (h, kvh, d) = (sh.heads, sh.kv_heads, sh.head_dim);
         // Prefill 9 (split-K), decode 1, a long chunk (flash attention: past the cache's first
         // capacity, partial tiles at both ends), a chunk of 70 after 1,311 positions, then

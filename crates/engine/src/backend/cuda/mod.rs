@@ -382,6 +382,8 @@ struct Kernels {
     rope: CudaFunction,
     kv_write: CudaFunction,
     attn_prep: CudaFunction,
+    /// attn_prep with a warp a row, head dims 64, 128, 256 (rotary dims a multiple of 64).
+    attn_prep_rows: [CudaFunction; 3],
     /// Split-K decode attention for query groups of up to 8 and up to 16 heads, head dims 64,
     /// 128, 256, 512; `None` where the device cannot give a block its shared memory.
     attention_partial: [[Option<CudaFunction>; 4]; 2],
@@ -563,6 +565,11 @@ impl Kernels {
             rope: f("attention", "rope")?,
             kv_write: f("attention", "kv_write")?,
             attn_prep: f("attention", "attn_prep")?,
+            attn_prep_rows: [
+                f("attention", "attn_prep_rows_d2")?,
+                f("attention", "attn_prep_rows_d4")?,
+                f("attention", "attn_prep_rows_d8")?,
+            ],
             attention_partial,
             attention_combine: f("attention", "attention_combine")?,
             attention_prefill: [64, 128, 256].map(|d| {
@@ -3543,11 +3550,30 @@ impl Backend for CudaBackend {
         let end = self.kv_extend(c, k.rows, pos0)?;
         let q = self.tensor(qg.rows, h * d)?;
         let gate = self.tensor(qg.rows, h * d)?;
+        // A warp a row where the head fits one warp's registers (norm_rotate_row's rotation
+        // keeps a pair in one lane: rotary dims a multiple of 64); else a block a row.
+        let attn_prep_rows = match d {
+            64 => Some(&self.k.attn_prep_rows[0]),
+            128 => Some(&self.k.attn_prep_rows[1]),
+            256 => Some(&self.k.attn_prep_rows[2]),
+            _ => None,
+        }
+        .filter(|_| sh.rotary_dim.is_multiple_of(64) && sh.rotary_dim <= d);
+        let (attn_prep, grid) = match attn_prep_rows {
+            Some(f) => (
+                f,
+                cfg((qg.rows as u32, (h + kvh).div_ceil(8) as u32), 256, 0),
+            ),
+            None => (
+                &self.k.attn_prep,
+                cfg((qg.rows as u32, (h + kvh) as u32), 128, 4 * d),
+            ),
+        };
         if qg.rows > 0 {
             launch!(
                 self,
-                self.k.attn_prep,
-                cfg((qg.rows as u32, (h + kvh) as u32), 128, 4 * d),
+                attn_prep,
+                grid,
                 [
                     self.ptr(&qg.buf),
                     self.ptr(&k.buf),

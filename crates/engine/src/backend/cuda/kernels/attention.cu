@@ -198,6 +198,66 @@ __device__ __forceinline__ void norm_rotate_row(float (&x)[ND], const float (&w)
             for (int i = 0; i < p; ++i) rope_rotate(x[i], x[i + p], cs[i], sn[i]);
 }
 
+// attn_prep with a warp a row, for head dims D = 32 ND up to 256 and rotary dims a multiple of
+// 64: warp w of block (t, y) takes attn_prep's block (t, 8 y + w), normed and rotated by
+// norm_rotate_row, whose sums and rotation are attn_prep's, so the values are the same bit for
+// bit. attn_prep's blocks of 128 threads did 1 KiB each with two barriers: a 4,096-token chunk's
+// took 196 us a layer, 1.5 TB/s (docs/performance.md, run46). attn_prep's arguments (d is D);
+// launch with 256 threads and (T, ceil((heads + kv_heads) / 8)) blocks.
+template <int ND>
+__device__ __forceinline__ void attn_prep_rows(const float* qg, const float* k, const float* v, const float* q_norm,
+                                               const float* k_norm, float* q, float* g, u16* kc, u16* vc, int heads,
+                                               int kv_heads, int rotary, double theta, float eps, const int* pos_ptr,
+                                               int pos0) {
+    constexpr int D = 32 * ND;
+    grid_dep();
+    const int lane = threadIdx.x & 31, t = blockIdx.x;
+    const int slot = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (slot >= heads + kv_heads) return;
+    const bool is_q = slot < heads;
+    const int kvh = slot - heads, pos = position(pos_ptr, pos0) + t;
+    const float* src = is_q ? qg + ((size_t)t * heads + slot) * 2 * D : k + ((size_t)t * kv_heads + kvh) * D;
+    const float* w = is_q ? q_norm : k_norm;
+    float x[ND], gains[ND], cs[ND], sn[ND];
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+        x[i] = src[lane + 32 * i];
+        gains[i] = w[lane + 32 * i];
+        cs[i] = 1.f, sn[i] = 0.f;
+        if (64 * i < rotary) rope_angle(pos, lane + 32 * i, rotary, theta, cs[i], sn[i]);
+    }
+    norm_rotate_row<ND>(x, gains, eps, rotary, cs, sn);
+    if (is_q) {
+        const size_t at = ((size_t)t * heads + slot) * D;
+#pragma unroll
+        for (int i = 0; i < ND; ++i) {
+            q[at + lane + 32 * i] = x[i];
+            g[at + lane + 32 * i] = src[D + lane + 32 * i];
+        }
+    } else {
+        const size_t at = (size_t)pos * kv_heads * D + (size_t)kvh * D;
+        const float* vr = v + ((size_t)t * kv_heads + kvh) * D;
+#pragma unroll
+        for (int i = 0; i < ND; ++i) {
+            kc[at + lane + 32 * i] = f16_bits(x[i]);
+            vc[at + lane + 32 * i] = f16_bits(vr[lane + 32 * i]);
+        }
+    }
+}
+
+#define ATTN_PREP_ROWS(ND)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) attn_prep_rows_d##ND(                                        \
+        const float* qg, const float* k, const float* v, const float* q_norm, const float* k_norm, float* q, float* g, \
+        u16* kc, u16* vc, int heads, int kv_heads, int d, int rotary, double theta, float eps, const int* pos_ptr,  \
+        int pos0) {                                                                                                 \
+        attn_prep_rows<ND>(qg, k, v, q_norm, k_norm, q, g, kc, vc, heads, kv_heads, rotary, theta, eps, pos_ptr,   \
+                           pos0);                                                                                   \
+    }
+// Head dims 64, 128 and 256.
+ATTN_PREP_ROWS(2)
+ATTN_PREP_ROWS(4)
+ATTN_PREP_ROWS(8)
+
 template <int ND, int NG>
 __device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, u16* k, u16* v,
                                                        float* __restrict__ part, int heads, int kv_heads,

@@ -4,8 +4,81 @@
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
 constexpr int MAX_CONV_K = 8;
-// Tokens per thread of the conv: a thread slides its channel's window over them.
+// Tokens a block of the conv takes: a thread slides its channel's window over them (over a
+// quarter of them in the four-channel form).
 constexpr int CONV_TOKENS = 64;
+
+// conv1d_silu (below) for a kernel of K taps with four channels a thread, 16 bytes a load and a
+// store: a block's 128 threads are four runs of CONV_TOKENS / 4 tokens over its 128 channels. A
+// channel a thread kept four tokens' 4-byte loads in flight and read ~2 TB/s over a 4,096-token
+// chunk; this form takes the chunk's conv 4.0 -> 2.7 ms (docs/performance.md, run46). The same
+// arithmetic per value as the channel-a-thread form. Needs channels % 4 == 0, 16-byte aligned
+// buffers and 128 threads a block.
+template <int K>
+__device__ __forceinline__ void conv1d_silu_x4(const float* __restrict__ x, const float* w, float* window,
+                                               float* __restrict__ y, int tokens, int channels) {
+    constexpr int RUN = CONV_TOKENS / 4;
+    const int c = blockIdx.x * blockDim.x + 4 * (threadIdx.x & 31);
+    const int t0 = blockIdx.y * CONV_TOKENS + (threadIdx.x >> 5) * RUN, t1 = min(t0 + RUN, tokens);
+    // The window's reader and writer: the thread whose run starts at token 0.
+    const bool live = c < channels, keeper = t0 == 0;
+    float4 h[K], taps[K], old[K - 1];
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+        taps[j] = live ? *reinterpret_cast<const float4*>(w + (size_t)j * channels + c) : zero;
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j)
+        old[j] = live && keeper ? *reinterpret_cast<const float4*>(window + (size_t)j * channels + c) : zero;
+    pdl_wait();
+    if (!live) return;
+    auto ld = [&](int i) { return *reinterpret_cast<const float4*>(x + (size_t)i * channels + c); };
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+        const int i = t0 - (K - 1) + j;
+        h[j] = i < 0 ? old[j] : i < tokens ? ld(i) : zero;
+    }
+    // LOADS tokens' inputs requested before any of their outputs is stored (the compiler keeps
+    // a load after an earlier store, so without the batch each thread had one load in flight).
+    constexpr int LOADS = 4;
+    for (int t = t0; t < t1; t += LOADS) {
+        float4 next[LOADS];
+#pragma unroll
+        for (int u = 0; u < LOADS; ++u) next[u] = t + u < t1 ? ld(t + u) : zero;
+#pragma unroll
+        for (int u = 0; u < LOADS; ++u) {
+            if (t + u >= t1) break;
+            h[K - 1] = next[u];
+            float4 acc = zero;
+#pragma unroll
+            for (int j = 0; j < K; ++j) {
+                acc.x += taps[j].x * h[j].x;
+                acc.y += taps[j].y * h[j].y;
+                acc.z += taps[j].z * h[j].z;
+                acc.w += taps[j].w * h[j].w;
+            }
+            *reinterpret_cast<float4*>(y + (size_t)(t + u) * channels + c) =
+                make_float4(silu(acc.x), silu(acc.y), silu(acc.z), silu(acc.w));
+#pragma unroll
+            for (int j = 0; j + 1 < K; ++j) h[j] = h[j + 1];
+        }
+    }
+    if (!keeper) return;
+    // The new window: entries tokens .. tokens + K - 2 of [old window | x].
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+        const int i = tokens + j - (K - 1);
+        float4 v = zero;
+        if (i >= 0) {
+            v = ld(i);
+        } else {
+#pragma unroll
+            for (int m = 0; m < K - 1; ++m)
+                if (m == tokens + j) v = old[m];
+        }
+        *reinterpret_cast<float4*>(window + (size_t)j * channels + c) = v;
+    }
+}
 
 // y[t][c] = silu(sum_j w[j][c] * h[t + j]) where h is the window (the last K-1 inputs, oldest
 // first) followed by x. One thread per (channel, run of CONV_TOKENS tokens): blockIdx.y picks the
@@ -19,6 +92,17 @@ constexpr int CONV_TOKENS = 64;
 extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float* w, float* window,
                                        float* __restrict__ y, int tokens, int channels, int k) {
     pdl_launch_dependents();
+    // Kernels of up to four taps (the models' four) take the vector form; larger ones, whose
+    // registers would cost every launch its occupancy, keep a channel a thread.
+    const unsigned long long addresses = (unsigned long long)x | (unsigned long long)w |
+                                         (unsigned long long)window | (unsigned long long)y;
+    if (blockDim.x == 128 && channels % 4 == 0 && (addresses & 15) == 0) {
+        switch (k) {
+            case 2: return conv1d_silu_x4<2>(x, w, window, y, tokens, channels);
+            case 3: return conv1d_silu_x4<3>(x, w, window, y, tokens, channels);
+            case 4: return conv1d_silu_x4<4>(x, w, window, y, tokens, channels);
+        }
+    }
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int t0 = blockIdx.y * CONV_TOKENS, t1 = min(t0 + CONV_TOKENS, tokens);
     float h[MAX_CONV_K], taps[MAX_CONV_K], old[MAX_CONV_K];

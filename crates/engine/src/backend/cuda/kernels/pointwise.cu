@@ -94,10 +94,13 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
 // next norm: one block per token t over y [pairs (+ tokens), cols] (pair t * top_k + j is token
 // t's j-th expert; with a shared expert, pair pairs + t is its output, gated by
 // sigmoid(shared_logit[t])). One block reads the row's k + 1 outputs, so they are loaded all at
-// once: two columns a thread (cols <= 2 * blockDim.x), mixed by moe_mix (common.cuh).
-extern "C" __global__ void moe_combine_add_rms_norm(const float* y, const float* weights, const float* shared_logit,
-                                                    float* x, const float* w, float* out, int cols, int top_k,
-                                                    float eps) {
+// once: two columns a thread (cols <= 2 * blockDim.x), mixed by moe_mix (common.cuh). At most 32
+// registers (8 bytes spilled), so that two blocks of 1,024 threads (the 35B's rows) share an SM:
+// with 48 only one fitted, and each SM waited on its loads, then its sums and stores, in turn
+// (a 4,096-token chunk's mixes 7.0 -> 5.4 ms, docs/performance.md, run46).
+extern "C" __global__ void __launch_bounds__(1024, 2)
+    moe_combine_add_rms_norm(const float* y, const float* weights, const float* shared_logit, float* x, const float* w,
+                             float* out, int cols, int top_k, float eps) {
     const size_t t = blockIdx.x, pairs = (size_t)gridDim.x * top_k;
     const float* wt = weights + t * top_k;
     const float* yt = y + t * top_k * cols;
