@@ -198,6 +198,28 @@ __device__ __forceinline__ void norm_rotate_row(float (&x)[ND], const float (&w)
             for (int i = 0; i < p; ++i) rope_rotate(x[i], x[i + p], cs[i], sn[i]);
 }
 
+// A lane's rotation angles for norm_rotate_row at position pos: dims lane + 32 i of the first
+// rotary / 2 (cs and sn past them are left as they are).
+template <int ND>
+__device__ __forceinline__ void lane_rope_angles(int pos, int rotary, double theta, float (&cs)[ND], float (&sn)[ND]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < ND; ++i)
+        if (64 * i < rotary) rope_angle(pos, lane + 32 * i, rotary, theta, cs[i], sn[i]);
+}
+
+// A new key row x (normed and rotated, lane l holding dims l + 32 i) and its value row vr into
+// the f16 caches at `at`.
+template <int ND>
+__device__ __forceinline__ void store_kv_row(u16* kc, u16* vc, size_t at, const float (&x)[ND], const float* vr) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+        kc[at + lane + 32 * i] = (u16)f16_bits(x[i]);
+        vc[at + lane + 32 * i] = (u16)f16_bits(vr[lane + 32 * i]);
+    }
+}
+
 // attn_prep with a warp a row, for head dims D = 32 ND up to 256 and rotary dims a multiple of
 // 64: warp w of block (t, y) takes attn_prep's block (t, 8 y + w), normed and rotated by
 // norm_rotate_row, whose sums and rotation are attn_prep's, so the values are the same bit for
@@ -218,14 +240,13 @@ __device__ __forceinline__ void attn_prep_rows(const float* qg, const float* k, 
     const int kvh = slot - heads, pos = position(pos_ptr, pos0) + t;
     const float* src = is_q ? qg + ((size_t)t * heads + slot) * 2 * D : k + ((size_t)t * kv_heads + kvh) * D;
     const float* w = is_q ? q_norm : k_norm;
-    float x[ND], gains[ND], cs[ND], sn[ND];
+    float x[ND], gains[ND], cs[ND] = {}, sn[ND] = {};
 #pragma unroll
     for (int i = 0; i < ND; ++i) {
         x[i] = src[lane + 32 * i];
         gains[i] = w[lane + 32 * i];
-        cs[i] = 1.f, sn[i] = 0.f;
-        if (64 * i < rotary) rope_angle(pos, lane + 32 * i, rotary, theta, cs[i], sn[i]);
     }
+    lane_rope_angles<ND>(pos, rotary, theta, cs, sn);
     norm_rotate_row<ND>(x, gains, eps, rotary, cs, sn);
     if (is_q) {
         const size_t at = ((size_t)t * heads + slot) * D;
@@ -235,13 +256,7 @@ __device__ __forceinline__ void attn_prep_rows(const float* qg, const float* k, 
             g[at + lane + 32 * i] = src[D + lane + 32 * i];
         }
     } else {
-        const size_t at = (size_t)pos * kv_heads * D + (size_t)kvh * D;
-        const float* vr = v + ((size_t)t * kv_heads + kvh) * D;
-#pragma unroll
-        for (int i = 0; i < ND; ++i) {
-            kc[at + lane + 32 * i] = f16_bits(x[i]);
-            vc[at + lane + 32 * i] = f16_bits(vr[lane + 32 * i]);
-        }
+        store_kv_row<ND>(kc, vc, (size_t)pos * kv_heads * D + (size_t)kvh * D, x, v + ((size_t)t * kv_heads + kvh) * D);
     }
 }
 
@@ -323,9 +338,9 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
                                    kw[PREP_FITS ? ND : 1] = {};
     if constexpr (PREP_FITS) {
         if (prepped) {
+            lane_rope_angles<ND>(pos, prep.rotary, prep.theta, cs, sn);
 #pragma unroll
             for (int i = 0; i < ND; ++i) {
-                if (64 * i < prep.rotary) rope_angle(pos, lane + 32 * i, prep.rotary, prep.theta, cs[i], sn[i]);
                 qw[i] = prep.q_norm[lane + 32 * i];
                 kw[i] = prep.k_norm[lane + 32 * i];
             }
@@ -349,12 +364,7 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
 #pragma unroll
                     for (int i = 0; i < ND; ++i) qs[r * D + lane + 32 * i] = x[i];
                 } else {
-                    const size_t at = (size_t)pos * row + (size_t)kvh * D;
-#pragma unroll
-                    for (int i = 0; i < ND; ++i) {
-                        k[at + lane + 32 * i] = (u16)f16_bits(x[i]);
-                        v[at + lane + 32 * i] = (u16)f16_bits(prep.v[(size_t)kvh * D + lane + 32 * i]);
-                    }
+                    store_kv_row<ND>(k, v, (size_t)pos * row + (size_t)kvh * D, x, prep.v + (size_t)kvh * D);
                 }
             }
             __syncthreads();  // the queries staged; the new rows in memory before their tile's copies
