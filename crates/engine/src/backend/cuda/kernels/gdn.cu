@@ -11,7 +11,7 @@ constexpr int CONV_TOKENS = 64;
 // conv1d_silu (below) for a kernel of K taps with four channels a thread, 16 bytes a load and a
 // store: a block's 128 threads are four runs of CONV_TOKENS / 4 tokens over its 128 channels. A
 // channel a thread kept four tokens' 4-byte loads in flight and read ~2 TB/s over a 4,096-token
-// chunk; this form takes the chunk's conv 4.0 -> 2.7 ms (docs/performance.md, run46). The same
+// chunk; this form takes the chunk's conv 4.0 -> 2.3 ms (docs/performance.md, run46). The same
 // arithmetic per value as the channel-a-thread form. Needs channels % 4 == 0, 16-byte aligned
 // buffers and 128 threads a block.
 template <int K>
