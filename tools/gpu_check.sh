@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, in one device call, from the repository root:
 #   parity  - the CUDA op-parity tests (on Hopper also with each product tile shape alone, with
-#             LILY_CUDA_WGMMA=0, the sm_80 product kernels, and with LILY_CUDA_FA=mma, the sm_80
-#             flash attention) and the CUDA end-to-end golden tests
+#             the products on five blocks that take tiles in turn, with LILY_CUDA_WGMMA=0, the
+#             sm_80 product kernels, and with LILY_CUDA_FA=mma, the sm_80 flash attention) and
+#             the CUDA end-to-end golden tests
 #             (test binaries)
 #   api     - the API test suite against `lily serve --device cuda` on the tiny fixture
 #   synth   - `lily synth --preset 35b-a3b` into /tmp (kept while the machine stays warm)
@@ -54,6 +55,9 @@ phase_parity() {
   # kernels; likewise the flash attention's sm_80 kernel.
   run_test_bin "cuda_parity (64-slot tiles)" cuda_parity-n64.log cuda_parity LILY_CUDA_TILE_SLOTS=64
   run_test_bin "cuda_parity (16-slot tiles)" cuda_parity-n16.log cuda_parity LILY_CUDA_TILE_SLOTS=16
+  # The products' blocks take tiles in turn once there are more tiles than the GPU holds, which
+  # the tests' small products rarely reach: capped at five blocks, every block takes many.
+  run_test_bin "cuda_parity (5 product blocks)" cuda_parity-b5.log cuda_parity LILY_CUDA_PRODUCT_BLOCKS=5
   run_test_bin "cuda_parity (mma core)" cuda_parity-mma.log cuda_parity LILY_CUDA_WGMMA=0
   run_test_bin "cuda_parity (mma attention)" cuda_parity-fa-mma.log cuda_parity LILY_CUDA_FA=mma
   grep -E 'nmse|greedy tokens identical|GB/s' "$OUT"/cuda_parity.log "$OUT"/golden.log | sed 's|.*/||' >"$OUT/parity-summary.txt"

@@ -407,6 +407,13 @@ impl Kernels {
         // Hopper's warpgroup products where the kernels were built for it (`LILY_CUDA_WGMMA=0`
         // keeps the sm_80 ones, for comparison).
         let wgmma = dev.arch == "sm_90a" && !switched_off("LILY_CUDA_WGMMA");
+        // Warpgroup blocks that take tiles in turn (`LILY_CUDA_PERSISTENT=0`: a block a tile,
+        // for comparison).
+        let persistent = wgmma && !switched_off("LILY_CUDA_PERSISTENT");
+        let max_blocks = std::env::var("LILY_CUDA_PRODUCT_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0);
         tracing::info!(
             core = if wgmma { "wgmma" } else { "mma" },
             "prefill products on the tensor cores"
@@ -448,6 +455,8 @@ impl Kernels {
                 rows,
                 slots,
                 threads,
+                persistent,
+                max_blocks,
             })
         };
         // `LILY_CUDA_TILE_SLOTS=64` or `=16` fixes the slots of the wgmma tiles (to test or
@@ -1128,13 +1137,22 @@ const PREFILL_CHUNK: usize = 4096;
 /// rows of codes and 64 slots of hi/lo activations, 72-element pitch, scales, biases and sums;
 /// then the slots' rows). The kernels trap if a launch gives them less.
 const TC_SMEM_BYTES: usize = 2 * (2 * (128 + 2 * 64) * 72 + 4 * (2 * 128 + 64)) + 64 * (4 + 8);
+/// Stages of a warpgroup product block (`WG_STAGES`, kernels/qmma.cu).
+const WG_STAGES: usize = 6;
+/// Tiles a block takes at the fewest when blocks take tiles in turn (`ProductShape::blocks`).
+/// Tiles are dealt to blocks in a fixed rotation, so a block's share is uneven by up to a tile
+/// (and tiles' times differ): with 3-9 tiles a block, at a 256-token prompt, prefill lost 1.7%
+/// against a block a tile; with 20-40, at 4,096, it gained 1.4% (docs/performance.md, run47).
+const PERSISTENT_TILES: usize = 16;
 /// Shared memory of a warpgroup product block (`WgSmem<BITS, N>`, kernels/qmma.cu): six stages
-/// of `slots` slots' hi and lo activations (64 columns each) and 256 rows of codes, then the
-/// slots and the stages' mbarriers (under 1,024 bytes).
+/// of `slots` slots' hi and lo activations (64 columns each) and 256 rows of codes, the bias
+/// product's three parts of the slots' group sums, then two tiles' slots and the stages'
+/// mbarriers (under 2,048 bytes).
 fn wg_smem_bytes(bits: usize, slots: usize) -> usize {
     let stage = 2 * slots * 64 * 2 + 256 * 2 * bits * 4;
-    // Stages and the whole are 1,024-byte aligned; 1,024 more to align the start.
-    6 * stage.next_multiple_of(1024) + 1024 + 1024
+    let sum_parts = 3 * slots * 64 * 2;
+    // Stages, the parts and the whole are 1,024-byte aligned; 1,024 more to align the start.
+    WG_STAGES * stage.next_multiple_of(1024) + sum_parts.next_multiple_of(1024) + 2048 + 1024
 }
 
 /// One tile shape of the tensor-core products (kernels/qmma.cu): its kernels by bits and how
@@ -1150,6 +1168,30 @@ struct ProductShape {
     rows: u32,
     slots: u32,
     threads: u32,
+    /// Whether a block may take several tiles in turn (the wgmma core, `wg_tiles`), and a cap
+    /// on such a launch's blocks below what the GPU holds (`LILY_CUDA_PRODUCT_BLOCKS`, so that
+    /// tests of small products reach blocks that take many tiles).
+    persistent: bool,
+    max_blocks: Option<usize>,
+}
+
+impl ProductShape {
+    /// Blocks for `tiles` tiles of `groups` 64-column groups each (at the fewest) at bits index
+    /// `b`: a block per tile, or on the persistent core, when the tiles are at least
+    /// `PERSISTENT_TILES` for each block the GPU holds at once, that many blocks, each taking
+    /// tiles in turn so that the next tile's copies overlap the current tile's products. That
+    /// needs `WG_STAGES` groups a tile (`wg_tiles`, kernels/qmma.cu). A cap on the blocks
+    /// (`max_blocks`, for tests) applies whenever the tiles exceed it.
+    fn blocks(&self, tiles: usize, groups: usize, b: usize, sms: usize) -> u32 {
+        let resident = self.per_sm[b] * sms;
+        let blocks = match self.max_blocks {
+            _ if !self.persistent || groups < WG_STAGES => tiles,
+            Some(cap) => tiles.min(cap.min(resident)),
+            None if tiles >= PERSISTENT_TILES * resident => resident,
+            None => tiles,
+        };
+        blocks as u32
+    }
 }
 
 /// The product tiles in use: one shape (`main`), or on sm_90a 64-slot tiles and 16-slot ones
@@ -1965,11 +2007,12 @@ impl CudaBackend {
         let p = self.k.products.pick(blocks, b, self.sms);
         let (batch, row_blocks, outs) = self.qbatch(cols, ws, p.rows as usize, tokens)?;
         if tokens > 0 && row_blocks > 0 {
+            let tiles = row_blocks as usize * tokens.div_ceil(p.slots as usize);
             launch!(
                 self,
                 p.dense[b],
                 cfg(
-                    (row_blocks as u32, (tokens as u32).div_ceil(p.slots)),
+                    (p.blocks(tiles, cols / 64, b, self.sms), 1),
                     p.threads,
                     p.smem[b]
                 ),
@@ -2055,11 +2098,12 @@ impl CudaBackend {
                     0
                 }
         };
+        let row_tiles = 2 * stride.div_ceil(p.rows as usize);
         launch!(
             self,
             p.moe_gate_up[b],
             cfg(
-                (max_tiles as u32, 2 * (stride as u32).div_ceil(p.rows)),
+                (p.blocks(max_tiles * row_tiles, hidden / 64, b, self.sms), 1),
                 p.threads,
                 p.smem[b]
             ),
@@ -2087,11 +2131,18 @@ impl CudaBackend {
         drop(xs);
         let acts = self.swiglu_split(gu.ptr, all, stride)?;
         drop(gu);
+        // The shared expert's tiles have inter_s columns, the routed experts' inter.
+        let down_groups = if with_shared {
+            inter.min(inter_s)
+        } else {
+            inter
+        } / 64;
+        let row_tiles = hidden.div_ceil(p.rows as usize);
         launch!(
             self,
             p.moe_down[b],
             cfg(
-                (max_tiles as u32, (hidden as u32).div_ceil(p.rows)),
+                (p.blocks(max_tiles * row_tiles, down_groups, b, self.sms), 1),
                 p.threads,
                 p.smem[b]
             ),

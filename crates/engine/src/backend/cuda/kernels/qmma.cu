@@ -22,9 +22,10 @@
 // one 64-column group per step. The next group's codes and activations are loaded into registers
 // while the tensor cores work on the current one, then written to the second of two shared
 // buffers (one barrier per group). Slot s of a block reads split row xrow[s] (-1: an empty slot)
-// and writes output row yrow[s], so one core serves dense and grouped products. On sm_90a the
-// same kernels run on Hopper's warpgroup products instead (the `wgmma` core below: 256 rows a
-// block); the host picks the core (mod.rs).
+// and writes output row yrow[s], so one core serves dense and grouped products: each kernel
+// family lists its tiles (DenseTiles, GateUpTiles, DownTiles) and the core computes them. On
+// sm_90a the same kernels run on Hopper's warpgroup products instead (the `wgmma` core below: 256
+// rows a tile, and a block may take several tiles in turn); the host picks the core (mod.rs).
 
 // Weight rows per block: each warp 64 rows x 16 slots (4 x 2 mma.m16n8k16 tiles), so that its B
 // fragments serve 4 row tiles (1.5 shared-memory wavefronts per product instead of 2).
@@ -134,10 +135,16 @@ struct __align__(16) TcGroup {
 };
 
 // A block's token slots: slot s reads split row xrow[s] (-1: an empty slot) and writes output
-// row yrow[s]. Each product core keeps them in its shared memory (tile_slots).
+// row yrow[s]. Each product core keeps them in its shared memory (TcSmem, WgSmem).
 struct TileSlots {
     int xrow[TC_BN];
     float* yrow[TC_BN];
+};
+
+// A tile of a product: rows [n0, n0 + the core's tile rows) of w, a rows x cols matrix.
+struct TileJob {
+    QMat w;
+    int n0, rows, cols;
 };
 
 // The slots, then two groups (the one being multiplied and the next, written meanwhile). 75 KiB:
@@ -288,7 +295,7 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
 // thread that holds them (each code converted once, no shared copy of bf16 weights), the
 // activations as the B operand read by the tensor cores straight from shared memory (no ldmatrix).
 // Codes and activations arrive by cp.async, four groups ahead, each stage handed over by
-// mbarriers (wg_product). Per group the exact split and the f32 scale are as above; the bias
+// mbarriers (wg_tiles). Per group the exact split and the f32 scale are as above; the bias
 // half, sum over groups of bias * sum(x), is one more exact product after the last group
 // (wg_bias_product), so that a group costs one FMA an accumulator, not two:
 //   acc = sum_g scale_g * sum(q * x)_g  +  sum_g bias_g * sum(x)_g
@@ -327,14 +334,18 @@ struct __align__(1024) WgStage {
     static constexpr u32 XH = 0, XL = N * 64 * 2, CODES = 2 * N * 64 * 2;
 };
 
-// With 64 slots 145 KiB (4-bit) or 193 KiB (8-bit); with 16, 73 or 121 KiB; and up to 1,023
+// With 64 slots 171 KiB (4-bit) or 219 KiB (8-bit); with 16, 81 or 129 KiB; and up to 1,023
 // bytes to align it: wg_smem_bytes in mod.rs.
 template <int BITS, int N>
 struct __align__(1024) WgSmem {
     WgStage<BITS, N> stage[WG_STAGES];
-    TileSlots slots;
+    // The bias product's B operand (wg_bias_product): the slots' group sums in three bf16 parts,
+    // each laid out as an x part. Its own, since the stages already hold the next tile's groups.
+    u16 __align__(1024) sum_parts[3 * N * 64];
+    // The slots of a block's current tile and of the next one (tile k in slots[k & 1]).
+    TileSlots slots[2];
     // Per stage: `full` completes a phase when every thread's copies of its group have landed,
-    // `empty` when every warp has finished with that group (wg_product).
+    // `empty` when every warp has finished with that group (wg_tiles).
     u64 full[WG_STAGES], empty[WG_STAGES];
 };
 
@@ -387,11 +398,12 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 
 }
 #endif
 
-// One thread's part of every group's copies into a stage, worked out once per product: the
-// element offsets of its sources at group 0 (-1: nothing to copy) and where each lands within a
-// stage. Group g's sources lie g groups further on. x of the occupied slots; the
-// codes of the rows in range (what stays stale only feeds outputs that are never written). The
-// group sums wait for the end (wg_bias_product).
+// One thread's part of every group's copies of a tile into a stage, worked out once per tile:
+// the element offsets of its sources at group 0 (-1: nothing to copy) and where each lands
+// within a stage. Group g's sources lie g groups further on. x of the occupied slots (threads
+// below 8N each take one chunk of slot tid / 8, whose split row is `row`); the codes of the rows
+// in range (what stays stale only feeds outputs that are never written). The group sums wait for
+// the end (wg_bias_product).
 template <int BITS, int N>
 struct WgCopies {
     static constexpr int CH = BITS / 2;
@@ -400,11 +412,10 @@ struct WgCopies {
     int codes[CH / 2];  // 16-byte chunks of code rows, into w.codes
     u32 codes_at[CH / 2];
 
-    __device__ __forceinline__ WgCopies(const TileSlots& sl, SplitX x_, int n0, int rows, int cols) {
+    __device__ __forceinline__ WgCopies(int row, SplitX x_, int n0, int rows, int cols) {
         const int tid = threadIdx.x;
         if (tid < 8 * N) {
             const int s = tid >> 3, c = tid & 7;
-            const int row = sl.xrow[s];
             x = row >= 0 ? row * x_.ld + c * 8 : -1;
             x_at = 2 * wg_x_at(s, c);
         }
@@ -457,19 +468,20 @@ __device__ __forceinline__ void wg_a_frags(u32 (&a)[4][4], const WgStage<BITS, N
 // The bias half of every group's sum, acc[row][slot] += sum_g bias[row][g] * sum(x[slot], group
 // g), as products after the last group instead of a second FMA per accumulator and group: the
 // biases (exact in bf16) as the A operand, rows r and r + 8 from at0 and at1; the slots' group
-// sums as B, split in three bf16 parts (exact: 24 significant bits), in stage 0 (part p from
-// element p * N * 64, laid out as x). 64 groups a round, in their natural order along K.
+// sums as B, split in three bf16 parts (exact: 24 significant bits), in sm.sum_parts (part p
+// from element p * N * 64, laid out as x). 64 groups a round, in their natural order along K.
+// Its first barrier also makes the slots the loads wrote for the next tile visible (wg_tiles).
 template <int BITS, int N>
-__device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, SplitX x, WgSmem<BITS, N>& sm, u32 at0,
-                                                u32 at1, int groups, int cq) {
-    static_assert(sizeof(WgStage<BITS, N>) >= 3 * N * 128, "the sums' three parts fit in stage 0");
+__device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, SplitX x, WgSmem<BITS, N>& sm,
+                                                const TileSlots& sl, u32 at0, u32 at1, int groups, int cq) {
     const int tid = threadIdx.x;
-    u16* part = reinterpret_cast<u16*>(&sm.stage[0]);
+    u16* part = sm.sum_parts;
     for (int g0 = 0; g0 < groups; g0 += 64) {
-        // Every warp is past the last group (or the previous round) before stage 0 is rewritten.
+        // Every warp is past the previous tile's (or round's) bias products before the parts are
+        // rewritten.
         __syncthreads();
         if (tid < 8 * N) {
-            const int s = tid >> 3, c = tid & 7, row = sm.slots.xrow[s];
+            const int s = tid >> 3, c = tid & 7, row = sl.xrow[s];
             u32 p[3][4];  // part q's bf16 pairs (groups 2i and 2i + 1 of the chunk)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -520,23 +532,55 @@ __device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, Spl
 }
 #endif
 
-// tc_product's contract on the warpgroup products.
-template <int BITS, int N>
-__device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS, N>& sm, int n0, int rows, int cols) {
+// The first tile at or after i, stepping by the grid, that has rows to compute (or `count`).
+template <class Jobs>
+__device__ __forceinline__ int next_tile(const Jobs& jobs, int i, int count) {
+    while (i < count && jobs.empty(i)) i += gridDim.x;
+    return i;
+}
+
+// The products of tiles blockIdx.x, blockIdx.x + gridDim.x, ... of `jobs` (see DenseTiles) on the
+// warpgroup products. A block takes its tiles one after another with one pipeline of copies: the
+// copies run WG_STAGES - 2 groups ahead of the products across the end of a tile, so that a
+// tile's first groups (and its slots) land while the previous tile's last groups and bias
+// products run, instead of each block starting cold (docs/performance.md, run47). Launch with
+// WG_THREADS threads and at most one block per tile; with fewer blocks than tiles (persistent),
+// every tile needs at least WG_STAGES groups (the host checks): that is what lets the copies of
+// tile k + 1 rewrite slots[(k + 1) & 1] (see load_next).
+template <int BITS, int N, class Jobs>
+__device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    WgSmem<BITS, N>& sm = wg_smem<BITS, N>();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, cq = lane & 3;
-    // The thread's block rows r and r + 8: warpgroup warp >> 2 takes 64 rows, each warp 16.
+    // The thread's tile rows r and r + 8: warpgroup warp >> 2 takes 64 rows, each warp 16.
     const int r = 64 * (warp >> 2) + 16 * (warp & 3) + gq;
-    const int groups = cols >> 6;
-    const TileSlots& sl = sm.slots;
-    float acc[N / 2] = {};
-    // Stages cycle through groups g, g + S, ...: phase k of full[g % S] is group g + kS landed,
-    // phase k of empty[g % S] every warp done with it. No block-wide barrier per group: a
-    // warpgroup waits only for its group's copies, and the copies of group G into a stage wait
-    // only for the warps to finish group G - S, so the warpgroups drift apart and one's products
-    // run while another folds its results and converts its next codes.
+    const int count = jobs.count();
+    int tile = next_tile(jobs, blockIdx.x, count);
+    if (tile >= count) return;  // the whole block, before any barrier
+    // Stages cycle through the block's groups in order, over all its tiles: phase k of
+    // full[G % S] is running group G + kS landed, phase k of empty[G % S] every warp done with
+    // it. No block-wide barrier per group: a warpgroup waits only for its group's copies, and
+    // the copies of group G into a stage wait only for the warps to finish group G - S, so the
+    // warpgroups drift apart and one's products run while another folds its results and
+    // converts its next codes.
     constexpr int S = WG_STAGES;
+    // The copies' tile (lt, the block's lk-th), its group lg and the running group's stage.
+    int lt = tile, lk = 0, lg = 0, ls = 0, lpar = 0, lrun = 0;
+    TileJob lj = jobs.job(lt);
+    // Thread tid < N writes slot tid's rows; thread tid < 8N copies x of slot tid / 8.
+    auto slot_rows = [&](int t, int k) {
+        int xrow = -1;
+        float* yrow = nullptr;
+        if (tid < N) {
+            jobs.slot(t, tid, xrow, yrow);
+            sm.slots[k & 1].xrow[tid] = xrow;
+            sm.slots[k & 1].yrow[tid] = yrow;
+        }
+        if (tid < 8 * N) jobs.slot(t, tid >> 3, xrow, yrow);
+        return WgCopies<BITS, N>(xrow, x, lj.n0, lj.rows, lj.cols);
+    };
+    WgCopies<BITS, N> copies = slot_rows(lt, lk);
     if (tid == 0)
         for (int i = 0; i < S; ++i) {
             mbar_init(&sm.full[i], WG_THREADS);
@@ -546,127 +590,156 @@ __device__ __forceinline__ void wg_product(QMat w, SplitX x, WgSmem<BITS, N>& sm
     // Stages, and their barriers, by shared address.
     constexpr u32 STAGE_BYTES = sizeof(WgStage<BITS, N>);
     const u32 stage0 = smem_addr(&sm.stage[0]), full0 = smem_addr(&sm.full[0]), empty0 = smem_addr(&sm.empty[0]);
-    const WgCopies<BITS, N> copies(sl, x, n0, rows, cols);
-    // The next group G to copy, its stage G % S and (G / S) & 1: its copies wait for the stage's
-    // group G - S to be done with, then this thread arrives on the stage's `full`.
-    int lg = 0, ls = 0, lpar = 0;
+    // Copies the next group: its stage's previous group must be done with first, then this
+    // thread arrives on the stage's `full`. Moving on to the block's next tile k + 1 rewrites
+    // slots[(k + 1) & 1], last read by tile k - 1's stores: the wait for group G - S (every tile
+    // has at least S groups) means every warp has finished a group of tile k, so it is past them.
     auto load_next = [&]() {
-        if (lg < groups) {
-            if (lg >= S) mbar_wait(empty0 + 8 * ls, lpar ^ 1);
-            wg_load<BITS, N>(stage0 + ls * STAGE_BYTES, copies, w, x, lg);
-            mbar_arrive_copies(full0 + 8 * ls);
+        if (lt >= count) return;
+        if (lrun >= S) mbar_wait(empty0 + 8 * ls, lpar ^ 1);
+        if (lg == (lj.cols >> 6)) {
+            lt = next_tile(jobs, lt + gridDim.x, count);
+            if (lt >= count) return;
+            lj = jobs.job(lt);
+            lg = 0;
+            copies = slot_rows(lt, ++lk);
         }
-        ++lg;
+        wg_load<BITS, N>(stage0 + ls * STAGE_BYTES, copies, lj.w, x, lg);
+        mbar_arrive_copies(full0 + 8 * ls);
+        ++lg, ++lrun;
         if (++ls == S) ls = 0, lpar ^= 1;
     };
     for (int G = 0; G < S - 2; ++G) load_next();
-    // Rows r and r + 8's scales, loaded one group ahead of their use (a row past the matrix reads
-    // row 0's: its results are never written).
-    const u32 at0 = (u32)(n0 + r < rows ? n0 + r : 0) * groups;  // rows * groups < 2^32
-    const u32 at1 = (u32)(n0 + r + 8 < rows ? n0 + r + 8 : 0) * groups;
-    u16 s0 = __ldg(w.scales + at0), s1 = __ldg(w.scales + at1);
-    // Group g's stage cs = g % S and (g / S) & 1.
+    // The running group's stage cs and parity.
     int cs = 0, cpar = 0;
-    for (int g = 0; g < groups; ++g) {
-        const int gn = min(g + 1, groups - 1);
-        const u16 s0n = __ldg(w.scales + at0 + gn), s1n = __ldg(w.scales + at1 + gn);
-        mbar_wait(full0 + 8 * cs, cpar);
-        fence_proxy_async();
-        const WgStage<BITS, N>& st = sm.stage[cs];
-        u32 a[4][4];
-        wg_a_frags<BITS, N>(a, st, r, cq);
-        float d[N / 2];
-        const u64 xh = wg_desc(st.xh), xl = wg_desc(st.xl);
-        wgmma_fence();
+    for (int k = 0; tile < count; tile = next_tile(jobs, tile + gridDim.x, count), ++k) {
+        const TileJob j = jobs.job(tile);
+        const int groups = j.cols >> 6;
+        // Rows r and r + 8's scales, loaded one group ahead of their use (a row past the matrix
+        // reads row 0's: its results are never written).
+        const u32 at0 = (u32)(j.n0 + r < j.rows ? j.n0 + r : 0) * groups;  // rows * groups < 2^32
+        const u32 at1 = (u32)(j.n0 + r + 8 < j.rows ? j.n0 + r + 8 : 0) * groups;
+        u16 s0 = __ldg(j.w.scales + at0), s1 = __ldg(j.w.scales + at1);
+        float acc[N / 2] = {};
+        for (int g = 0; g < groups; ++g) {
+            const int gn = min(g + 1, groups - 1);
+            const u16 s0n = __ldg(j.w.scales + at0 + gn), s1n = __ldg(j.w.scales + at1 + gn);
+            mbar_wait(full0 + 8 * cs, cpar);
+            fence_proxy_async();
+            const WgStage<BITS, N>& st = sm.stage[cs];
+            u32 a[4][4];
+            wg_a_frags<BITS, N>(a, st, r, cq);
+            float d[N / 2];
+            const u64 xh = wg_desc(st.xh), xl = wg_desc(st.xl);
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            wgmma_rs(d, a[kk], smem_desc_advance(xh, 32 * kk), kk > 0);
-            wgmma_rs(d, a[kk], smem_desc_advance(xl, 32 * kk), 1);
-        }
-        wgmma_commit();
-        wgmma_wait_all();
-        wgmma_hold(d);
-        const float fs0 = bf16_to_f32(s0), fs1 = bf16_to_f32(s1);
-        // d[4j + e]: row r + 8 (e >> 1), slot 8j + 2cq + (e & 1).
+            for (int kk = 0; kk < 4; ++kk) {
+                wgmma_rs(d, a[kk], smem_desc_advance(xh, 32 * kk), kk > 0);
+                wgmma_rs(d, a[kk], smem_desc_advance(xl, 32 * kk), 1);
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            wgmma_hold(d);
+            const float fs0 = bf16_to_f32(s0), fs1 = bf16_to_f32(s1);
+            // d[4j + e]: row r + 8 (e >> 1), slot 8j + 2cq + (e & 1).
 #pragma unroll
-        for (int j = 0; j < N / 8; ++j) {
-            acc[4 * j] = fmaf(fs0, d[4 * j], acc[4 * j]);
-            acc[4 * j + 1] = fmaf(fs0, d[4 * j + 1], acc[4 * j + 1]);
-            acc[4 * j + 2] = fmaf(fs1, d[4 * j + 2], acc[4 * j + 2]);
-            acc[4 * j + 3] = fmaf(fs1, d[4 * j + 3], acc[4 * j + 3]);
+            for (int jj = 0; jj < N / 8; ++jj) {
+                acc[4 * jj] = fmaf(fs0, d[4 * jj], acc[4 * jj]);
+                acc[4 * jj + 1] = fmaf(fs0, d[4 * jj + 1], acc[4 * jj + 1]);
+                acc[4 * jj + 2] = fmaf(fs1, d[4 * jj + 2], acc[4 * jj + 2]);
+                acc[4 * jj + 3] = fmaf(fs1, d[4 * jj + 3], acc[4 * jj + 3]);
+            }
+            s0 = s0n, s1 = s1n;
+            // This warp is done with the stage (its products waited for).
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8 * cs);
+            // S - 2 groups ahead: its stage held the group S - 2 back, which a warpgroup up to
+            // two groups behind this one may still be reading.
+            load_next();
+            if (++cs == S) cs = 0, cpar ^= 1;
         }
-        s0 = s0n, s1 = s1n;
-        // This warp is done with the stage (its products waited for).
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * cs);
-        // Four groups ahead: its stage held group g - 2, which a warpgroup up to two groups
-        // behind this one may still be reading.
-        load_next();
-        if (++cs == S) cs = 0, cpar ^= 1;
+        const TileSlots& sl = sm.slots[k & 1];
+        wg_bias_product<BITS, N>(acc, j.w, x, sm, sl, at0, at1, groups, cq);
+#pragma unroll
+        for (int jj = 0; jj < N / 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int slot = 8 * jj + 2 * cq + (e & 1), row = j.n0 + r + 8 * (e >> 1);
+                if (sl.xrow[slot] >= 0 && row < j.rows) sl.yrow[slot][row] = acc[4 * jj + e];
+            }
     }
-    cp_async_wait_all();
-    wg_bias_product<BITS, N>(acc, w, x, sm, at0, at1, groups, cq);
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int slot = 8 * j + 2 * cq + (e & 1), row = n0 + r + 8 * (e >> 1);
-            if (sl.xrow[slot] >= 0 && row < rows) sl.yrow[slot][row] = acc[4 * j + e];
-        }
 #else
     __trap();  // the host launches these only on sm_90a
 #endif
 }
 
 // The product core of each kernel family: `mma` (any sm_80+) or `wgmma` (sm_90a), with the
-// weight rows of a block.
+// weight rows of a tile.
 template <bool WG>
 __device__ constexpr int tile_rows() {
     return WG ? WG_BM : TC_BM;
 }
-// N token slots a tile: 64 or 16 on the wgmma core, 64 on the mma core.
-template <bool WG, int BITS, int N>
-__device__ __forceinline__ TileSlots& tile_slots() {
-    static_assert(N == TC_BN || (WG && N == 16), "tile slots");
-    if constexpr (WG) return wg_smem<BITS, N>().slots;
-    else return tc_smem().slots;
-}
-template <bool WG, int BITS, int N>
-__device__ __forceinline__ void tile_product(QMat w, SplitX x, int n0, int rows, int cols) {
-    if constexpr (WG) wg_product<BITS, N>(w, x, wg_smem<BITS, N>(), n0, rows, cols);
-    else tc_product<BITS>(w, x, tc_smem(), n0, rows, cols);
+
+// The mma core: tile blockIdx.x of `jobs`, one a block.
+template <int BITS, class Jobs>
+__device__ __forceinline__ void tc_tiles(const Jobs& jobs, SplitX x) {
+    const int tile = blockIdx.x;
+    if (tile >= jobs.count() || jobs.empty(tile)) return;
+    TcSmem& sm = tc_smem();
+    if (threadIdx.x < TC_BN) jobs.slot(tile, threadIdx.x, sm.slots.xrow[threadIdx.x], sm.slots.yrow[threadIdx.x]);
+    __syncthreads();
+    const TileJob j = jobs.job(tile);
+    tc_product<BITS>(j.w, x, sm, j.n0, j.rows, j.cols);
 }
 
-// y_m[t][n] = sum_k w_m[n][k] * x[t][k] for the batch's matrices m (up to four, one launch: the
-// products of one input), x split. Launch with the core's threads (mma 256, wgmma 512) and
-// (first_block[4], ceil(tokens / N)) blocks, matrix m's first_block[m].. taking its rows
-// tile_rows at a time; cols a multiple of 64.
-template <int BITS, bool WG, int N>
-__device__ __forceinline__ void qmma_dense(const QBatch& b, SplitX x, int tokens, int cols) {
-    int m = 0;
-    while (m < 3 && (int)blockIdx.x >= b.first_block[m + 1]) ++m;
-    const int rows = b.rows[m];
-    TileSlots& sl = tile_slots<WG, BITS, N>();
-    if (threadIdx.x < N) {
-        const int t = blockIdx.y * N + threadIdx.x;
-        sl.xrow[threadIdx.x] = t < tokens ? t : -1;
-        sl.yrow[threadIdx.x] = b.y[m] + (size_t)t * rows;
-    }
-    __syncthreads();
-    const QMat w{b.codes[m], b.scales[m], b.biases[m]};
-    tile_product<WG, BITS, N>(w, x, ((int)blockIdx.x - b.first_block[m]) * tile_rows<WG>(), rows, cols);
+// Every product kernel computes the tiles of a `Jobs`, which says for tile i (0 <= i < count())
+// its weights and rows (job), whether it has none (empty) and where its slot s reads and writes
+// (slot). N token slots a tile: 64 or 16 on the wgmma core, 64 on the mma core.
+template <int BITS, bool WG, int N, class Jobs>
+__device__ __forceinline__ void product_tiles(const Jobs& jobs, SplitX x) {
+    static_assert(N == TC_BN || (WG && N == 16), "tile slots");
+    if constexpr (WG) wg_tiles<BITS, N>(jobs, x);
+    else tc_tiles<BITS>(jobs, x);
 }
+
+// The dense products y_m[t][n] = sum_k w_m[n][k] * x[t][k] of the batch's matrices m (up to four,
+// one launch: the products of one input), x split: tile i is row tile i % first_block[4] (matrix
+// m's first_block[m].. taking its rows BM at a time) of token tile i / first_block[4].
+template <int N, int BM>
+struct DenseTiles {
+    const QBatch& b;
+    int tokens, cols;
+
+    __device__ __forceinline__ int count() const { return b.first_block[4] * ((tokens + N - 1) / N); }
+    __device__ __forceinline__ bool empty(int) const { return false; }
+    __device__ __forceinline__ int matrix(int rt) const {
+        int m = 0;
+        while (m < 3 && rt >= b.first_block[m + 1]) ++m;
+        return m;
+    }
+    __device__ __forceinline__ TileJob job(int i) const {
+        const int rt = i % b.first_block[4], m = matrix(rt);
+        return {{b.codes[m], b.scales[m], b.biases[m]}, (rt - b.first_block[m]) * BM, b.rows[m], cols};
+    }
+    __device__ __forceinline__ void slot(int i, int s, int& xrow, float*& yrow) const {
+        const int m = matrix(i % b.first_block[4]), t = i / b.first_block[4] * N + s;
+        xrow = t < tokens ? t : -1;
+        yrow = b.y[m] + (size_t)t * b.rows[m];
+    }
+};
 
 // Threads and blocks per SM of each core.
 #define QMMA_BOUNDS(WG, BITS, N) \
     __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? WG_BLOCKS_PER_SM(BITS, N) : 2)
 
-// q4_mma, q8_mma (any sm_80+) and q4_wgmma, q8_wgmma, q4_wgmma_n16, q8_wgmma_n16 (sm_90a).
+// q4_mma, q8_mma (any sm_80+) and q4_wgmma, q8_wgmma, q4_wgmma_n16, q8_wgmma_n16 (sm_90a):
+// DenseTiles, cols a multiple of 64. Launch with the core's threads (mma 256, wgmma 512) and a
+// block per tile (wgmma: or fewer, see wg_tiles).
 #define QMMA_DENSE(BITS, NAME, WG, N)                                                                               \
     extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N)                                                             \
         q##BITS##_##NAME(QBatch b, const u16* xh, const u16* xl, const float* xsum, int tokens, int cols) {         \
         grid_dep();                                                                                                 \
-        qmma_dense<BITS, WG, N>(b, {xh, xl, xsum, cols}, tokens, cols);                                             \
+        product_tiles<BITS, WG, N>(DenseTiles<N, tile_rows<WG>()>{b, tokens, cols}, {xh, xl, xsum, cols});         \
     }
 // Every product kernel family comes in these shapes: (bits, core name, wgmma core, token slots).
 #define PRODUCT_SHAPES(X) \
@@ -772,78 +845,104 @@ __device__ __forceinline__ QMat expert_mat(QMat stack, QMat shared, int e, int e
     return e == experts ? shared : expert_slice<BITS>(stack, (size_t)e, rows, cols);
 }
 
+// The grouped expert products' tiles: tile i is expert tile i % ntiles[0] (tiles[], moe_group)
+// against row tile i / ntiles[0] of the expert's matrix (or matrices). A tile's slot s is pair
+// perm[first + s] of the expert's run, while s < its pairs.
+template <int BM>
+struct ExpertTiles {
+    const int* perm;
+    const int* tiles;
+    int ntiles, row_tiles, experts;
+
+    __device__ __forceinline__ ExpertTiles(const int* perm_, const int* tiles_, const int* ntiles_, int row_tiles_,
+                                           int experts_)
+        : perm(perm_), tiles(tiles_), ntiles(__ldg(ntiles_)), row_tiles(row_tiles_), experts(experts_) {}
+    __device__ __forceinline__ int count() const { return ntiles * row_tiles; }
+    __device__ __forceinline__ int expert(int i) const { return __ldg(tiles + 3 * (i % ntiles)); }
+    __device__ __forceinline__ int row_tile(int i) const { return i / ntiles; }
+    // Pair p of slot s (false: the slot is empty).
+    __device__ __forceinline__ bool pair(int i, int s, int& p) const {
+        const int* tile = tiles + 3 * (i % ntiles);
+        const bool used = s < __ldg(tile + 2);
+        p = used ? __ldg(perm + __ldg(tile + 1) + s) : 0;
+        return used;
+    }
+};
+
 // gu[p] = (gate_e . x[t] | up_e . x[t]) for every pair p, x split: gu rows hold 2 * stride floats
 // (stride = max(inter, inter_s)), the gate's products first, the up's from column stride. The
-// first ceil(stride / tile_rows) blocks along y take gate rows, the rest up rows (SwiGLU follows
-// in swiglu_split_bf16). Launch with the core's threads and (max tiles, 2 * ceil(stride /
-// tile_rows)) blocks; blocks past ntiles[0] return.
-template <int BITS, bool WG, int N>
-__device__ __forceinline__ void moe_gate_up_mma(QMat gate, QMat up, QMat sgate, QMat sup, const int* perm,
-                                                const int* tiles, const int* ntiles, SplitX x, float* gu,
-                                                int top_k, int pairs, int experts, int inter, int inter_s,
-                                                int hidden) {
-    TileSlots& sl = tile_slots<WG, BITS, N>();
-    if ((int)blockIdx.x >= ntiles[0]) return;
-    const int* tile = tiles + 3 * blockIdx.x;
-    const int e = tile[0];
-    const int rows = e == experts ? inter_s : inter;
-    const int stride = max(inter, inter_s);
-    const int per = (stride + tile_rows<WG>() - 1) / tile_rows<WG>();
-    const bool is_up = (int)blockIdx.y >= per;
-    const int n0 = ((int)blockIdx.y - (is_up ? per : 0)) * tile_rows<WG>();
-    if (n0 >= rows) return;
-    if (threadIdx.x < N) {
-        const bool used = (int)threadIdx.x < tile[2];
-        const int p = used ? perm[tile[1] + threadIdx.x] : 0;
-        const int t = p < pairs ? p / top_k : p - pairs;
-        sl.xrow[threadIdx.x] = used ? t : -1;
-        sl.yrow[threadIdx.x] = gu + (size_t)p * 2 * stride + (is_up ? stride : 0);
-    }
-    __syncthreads();
-    const QMat w = is_up ? expert_mat<BITS>(up, sup, e, experts, inter, hidden)
-                         : expert_mat<BITS>(gate, sgate, e, experts, inter, hidden);
-    tile_product<WG, BITS, N>(w, x, n0, rows, hidden);
-}
+// first ceil(stride / BM) row tiles take gate rows, the rest up rows (SwiGLU follows in
+// swiglu_split_bf16).
+template <int BITS, int BM>
+struct GateUpTiles : ExpertTiles<BM> {
+    QMat gate, up, sgate, sup;
+    float* gu;
+    int top_k, pairs, inter, inter_s, hidden;
 
-// y[p][c] = down_e[c] . act[p], act split with rows of stride columns. Launch with the core's
-// threads and (max tiles, ceil(hidden / tile_rows)) blocks.
-template <int BITS, bool WG, int N>
-__device__ __forceinline__ void moe_down_mma(QMat down, QMat sdown, const int* perm, const int* tiles,
-                                             const int* ntiles, SplitX act, float* y, int experts,
-                                             int inter, int inter_s, int hidden) {
-    TileSlots& sl = tile_slots<WG, BITS, N>();
-    if ((int)blockIdx.x >= ntiles[0]) return;
-    const int* tile = tiles + 3 * blockIdx.x;
-    const int e = tile[0];
-    const int cols = e == experts ? inter_s : inter;
-    const int stride = max(inter, inter_s);
-    if (threadIdx.x < N) {
-        const bool used = (int)threadIdx.x < tile[2];
-        const int p = used ? perm[tile[1] + threadIdx.x] : 0;
-        sl.xrow[threadIdx.x] = used ? p : -1;
-        sl.yrow[threadIdx.x] = y + (size_t)p * hidden;
+    __device__ __forceinline__ int stride() const { return max(inter, inter_s); }
+    __device__ __forceinline__ int per() const { return (stride() + BM - 1) / BM; }
+    __device__ __forceinline__ bool is_up(int i) const { return this->row_tile(i) >= per(); }
+    __device__ __forceinline__ int n0(int i) const { return (this->row_tile(i) - (is_up(i) ? per() : 0)) * BM; }
+    __device__ __forceinline__ int rows(int e) const { return e == this->experts ? inter_s : inter; }
+    __device__ __forceinline__ bool empty(int i) const { return n0(i) >= rows(this->expert(i)); }
+    __device__ __forceinline__ TileJob job(int i) const {
+        const int e = this->expert(i);
+        const QMat w = is_up(i) ? expert_mat<BITS>(up, sup, e, this->experts, inter, hidden)
+                                : expert_mat<BITS>(gate, sgate, e, this->experts, inter, hidden);
+        return {w, n0(i), rows(e), hidden};
     }
-    __syncthreads();
-    tile_product<WG, BITS, N>(expert_mat<BITS>(down, sdown, e, experts, hidden, inter), act,
-                              blockIdx.y * tile_rows<WG>(), hidden, cols);
-}
+    __device__ __forceinline__ void slot(int i, int s, int& xrow, float*& yrow) const {
+        int p;
+        const bool used = this->pair(i, s, p);
+        xrow = used ? (p < pairs ? p / top_k : p - pairs) : -1;
+        yrow = gu + (size_t)p * 2 * stride() + (is_up(i) ? stride() : 0);
+    }
+};
+
+// y[p][c] = down_e[c] . act[p], act split with rows of stride columns.
+template <int BITS, int BM>
+struct DownTiles : ExpertTiles<BM> {
+    QMat down, sdown;
+    float* y;
+    int inter, inter_s, hidden;
+
+    __device__ __forceinline__ bool empty(int) const { return false; }
+    __device__ __forceinline__ TileJob job(int i) const {
+        const int e = this->expert(i);
+        return {expert_mat<BITS>(down, sdown, e, this->experts, hidden, inter), this->row_tile(i) * BM, hidden,
+                e == this->experts ? inter_s : inter};
+    }
+    __device__ __forceinline__ void slot(int i, int s, int& xrow, float*& yrow) const {
+        int p;
+        xrow = this->pair(i, s, p) ? p : -1;
+        yrow = y + (size_t)p * hidden;
+    }
+};
 
 // q4_moe_gate_up_mma, q4_moe_down_mma, ... and the _wgmma and _wgmma_n16 pairs (sm_90a).
+// GateUpTiles over 2 * ceil(stride / tile rows) row tiles and DownTiles over ceil(hidden / tile
+// rows). Launch with the core's threads and a block per tile of the most tiles moe_group can
+// make (wgmma: or fewer, see wg_tiles); blocks past the tiles it made return.
 #define MOE_MMA_KERNELS(BITS, NAME, WG, N)                                                                          \
     extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N) q##BITS##_moe_gate_up_##NAME(                               \
         QMat gate, QMat up, QMat sgate, QMat sup, const int* perm, const int* tiles, const int* ntiles,             \
         const u16* xh, const u16* xl, const float* xsum, float* gu, int top_k, int pairs, int experts,              \
         int inter, int inter_s, int hidden) {                                                                       \
         grid_dep();                                                                                                 \
-        moe_gate_up_mma<BITS, WG, N>(gate, up, sgate, sup, perm, tiles, ntiles, {xh, xl, xsum, hidden}, gu,         \
-                                     top_k, pairs, experts, inter, inter_s, hidden);                                \
+        constexpr int BM = tile_rows<WG>();                                                                         \
+        const int row_tiles = 2 * ((max(inter, inter_s) + BM - 1) / BM);                                            \
+        const GateUpTiles<BITS, BM> jobs{{perm, tiles, ntiles, row_tiles, experts},                                 \
+                                         gate, up, sgate, sup, gu, top_k, pairs, inter, inter_s, hidden};           \
+        product_tiles<BITS, WG, N>(jobs, {xh, xl, xsum, hidden});                                                   \
     }                                                                                                               \
     extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N)                                                             \
         q##BITS##_moe_down_##NAME(QMat down, QMat sdown, const int* perm, const int* tiles, const int* ntiles,      \
                                   const u16* ah, const u16* al, const float* asum, float* y, int experts,           \
                                   int inter, int inter_s, int hidden) {                                             \
         grid_dep();                                                                                                 \
-        moe_down_mma<BITS, WG, N>(down, sdown, perm, tiles, ntiles, {ah, al, asum, max(inter, inter_s)}, y,         \
-                                  experts, inter, inter_s, hidden);                                                 \
+        constexpr int BM = tile_rows<WG>();                                                                         \
+        const DownTiles<BITS, BM> jobs{{perm, tiles, ntiles, (hidden + BM - 1) / BM, experts},                      \
+                                       down, sdown, y, inter, inter_s, hidden};                                     \
+        product_tiles<BITS, WG, N>(jobs, {ah, al, asum, max(inter, inter_s)});                                      \
     }
 PRODUCT_SHAPES(MOE_MMA_KERNELS)
