@@ -315,6 +315,10 @@ pub struct CudaRouting {
     /// writes `ids` and `weights`; any other reader routes them first (`CudaBackend::settle`).
     /// Until then `ids` and `weights` are unwritten.
     deferred: Cell<Option<DeferredRoute>>,
+    /// The split of the tokens' hidden states that the router's products read (route_tokens,
+    /// on the tensor cores), with the address of the tensor it was taken from: the expert
+    /// products of the same tensor take it instead of splitting it again (`moe_grouped`).
+    split: Cell<Option<(u64, Split)>>,
 }
 
 struct DeferredRoute {
@@ -2086,7 +2090,11 @@ impl CudaBackend {
                 ntiles.ptr
             ]
         )?;
-        let xs = self.split(self.ptr(&x.buf), t, hidden)?;
+        // The router's split of x when it was taken from x (route_tokens), else a new one.
+        let xs = match rt.split.take() {
+            Some((from, split)) if from == self.ptr(&x.buf) && split.hi.len == t * hidden => split,
+            _ => self.split(self.ptr(&x.buf), t, hidden)?,
+        };
         // Per pair: the gate's products, then the up's from column `stride`.
         let gu = self.tmp::<f32>(all * 2 * stride)?;
         let expert_bytes = |rows, cols| {
@@ -3744,6 +3752,7 @@ impl Backend for CudaBackend {
             top_k,
             num_experts: e,
             deferred: Cell::new(None),
+            split: Cell::new(None),
         };
         self.launch_route(self.ptr(&logits.buf), &rt, renormalize)?;
         Ok(rt)
@@ -3759,6 +3768,17 @@ impl Backend for CudaBackend {
     ) -> Result<(CudaRouting, CudaTensor)> {
         let e = router.rows;
         check_routing(e, top_k)?;
+        // Many tokens on the tensor cores: the split of h is kept with the routing for the
+        // expert products, which read the same h (one split pass of [T, hidden] a layer saved).
+        if h.rows >= MMA_MIN_TOKENS && router.bits == shared_gate.bits {
+            plain!(self, h);
+            let split = self.split(self.ptr(&h.buf), h.rows, h.cols)?;
+            let [logits, shared_gate_logit] =
+                products(self.qmma(&split, h.cols, &[router, shared_gate], h.rows)?)?;
+            let routing = self.route(&logits, top_k, renormalize)?;
+            routing.split.set(Some((self.ptr(&h.buf), split)));
+            return Ok((routing, shared_gate_logit));
+        }
         // One token: both products in one launch, the routing left to the expert gate/up
         // kernel that reads it (`CudaRouting::deferred`).
         if h.rows != 1 || router.bits != shared_gate.bits {
@@ -3792,6 +3812,7 @@ impl Backend for CudaBackend {
                 logits,
                 renormalize,
             })),
+            split: Cell::new(None),
         };
         Ok((routing, shared_gate_logit))
     }
