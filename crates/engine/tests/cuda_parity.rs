@@ -10,7 +10,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use engine::backend::cpu::reference as r;
 use engine::backend::cpu::{CpuBackend, CpuRouting};
 use engine::backend::cuda::device::CudaDevice;
-use engine::backend::cuda::{CudaBackend, CudaRouting};
+use engine::backend::cuda::{CudaBackend, CudaQMatrix, CudaRouting, CudaTensor};
 use engine::backend::{
     AttnShape, Backend, DeviceSample, DeviceSampling, GdnShape, attn_prep_separately,
 };
@@ -316,7 +316,8 @@ fn elementwise_ops_match() {
         return;
     };
     let mut rng = StdRng::seed_from_u64(24);
-    for (t, cols) in [(1, 2048), (7, 512), (3, 64)] {
+    // 40 rows: sigmoid_mul also writes its output's split (the attention's output gate).
+    for (t, cols) in [(1, 2048), (7, 512), (3, 64), (40, 512)] {
         let x = randn(&mut rng, t * cols, 4.0);
         let y = randn(&mut rng, t * cols, 4.0);
         let gl = randn(&mut rng, t, 4.0);
@@ -1558,6 +1559,119 @@ fn router_product_with_its_routing_matches() {
                 &down(&cpu, &gc),
             );
         }
+    }
+}
+
+/// `t`'s products, from the split that the op which wrote `t` wrote with it (or without one,
+/// `split` false), against the products of the same values uploaded afresh, which the split pass
+/// splits: bit for bit the same, as a split has the same bits whichever kernel wrote it.
+fn products_as_from_the_split_pass(
+    what: &str,
+    gpu: &CudaBackend,
+    t: &CudaTensor,
+    w: &CudaQMatrix,
+    split: bool,
+) {
+    assert_eq!(t.has_split(), split, "{what}: split written");
+    let (rows, cols) = gpu.tensor_shape(t);
+    let fresh = up(gpu, &down(gpu, t), rows, cols);
+    assert!(!fresh.has_split(), "an uploaded tensor carries no split");
+    let got = down(gpu, &gpu.qmatmul(t, w).expect("product"));
+    let want = down(gpu, &gpu.qmatmul(&fresh, w).expect("product"));
+    let same = got
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "{what}: the products differ from the split pass's");
+    let _ = writeln!(
+        std::io::stderr(),
+        "{what}: split {split}, products bit for bit"
+    );
+}
+
+#[test]
+fn splits_written_with_the_products_inputs_match_the_split_pass() {
+    let Some(gpu) = cuda_or_skip("splits_written_with_the_products_inputs_match_the_split_pass")
+    else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(41);
+    let (cols, dim, eps) = (512, 128, 1e-6);
+    let w = gpu
+        .upload_qmatrix(qweight(&mut rng, 96, cols, 4))
+        .expect("w");
+    let gains = gpu
+        .upload_vector(&randn(&mut rng, cols, 1.0))
+        .expect("gains");
+    let head_gains = gpu
+        .upload_vector(&randn(&mut rng, dim, 1.0))
+        .expect("gains");
+    // 40 tokens: the norms' block-a-row kernels (and 160 heads of the gated norm, a block each);
+    // 300: 1,200 heads, a warp each. 7: too few rows for the tensor cores, so no split.
+    for t in [40, 300, 7] {
+        let split = t >= 8;
+        let x = randn(&mut rng, t * cols, 2.0);
+        let y = up(&gpu, &randn(&mut rng, t * cols, 2.0), t, cols);
+        let z = up(&gpu, &randn(&mut rng, t * cols, 3.0), t, cols);
+        let xt = up(&gpu, &x, t, cols);
+        let what = |op: &str| format!("{op}, T={t}");
+        let normed = gpu.rms_norm(&xt, &gains, eps).expect("rms_norm");
+        products_as_from_the_split_pass(&what("rms_norm"), &gpu, &normed, &w, split);
+        let gated = gpu
+            .gated_rms_norm(&xt, &z, &head_gains, dim, eps)
+            .expect("gated_rms_norm");
+        products_as_from_the_split_pass(&what("gated_rms_norm"), &gpu, &gated, &w, split);
+        let mut resid = up(&gpu, &x, t, cols);
+        let added = gpu
+            .add_rms_norm(&mut resid, &y, &gains, eps)
+            .expect("add_rms_norm");
+        products_as_from_the_split_pass(&what("add_rms_norm"), &gpu, &added, &w, split);
+        let gate = gpu.sigmoid_mul(&xt, &y).expect("sigmoid_mul");
+        products_as_from_the_split_pass(&what("sigmoid_mul"), &gpu, &gate, &w, split);
+        // Not a product's input: no split.
+        let heads = gpu
+            .head_rms_norm(&xt, &head_gains, dim, eps)
+            .expect("head_rms_norm");
+        products_as_from_the_split_pass(&what("head_rms_norm"), &gpu, &heads, &w, false);
+        // Changed in place: the split of its old values goes.
+        let mut changed = gpu.rms_norm(&xt, &gains, eps).expect("rms_norm");
+        gpu.add_assign(&mut changed, &y).expect("add");
+        products_as_from_the_split_pass(
+            &what("rms_norm, then added to"),
+            &gpu,
+            &changed,
+            &w,
+            false,
+        );
+        // The MoE block's residual add and next norm (8 experts, top 2, shared expert).
+        let (e, k, inter) = (8, 2, 128);
+        let q = [
+            qweight(&mut rng, e * inter, cols, 4),
+            qweight(&mut rng, e * inter, cols, 4),
+            qweight(&mut rng, e * cols, inter, 4),
+            qweight(&mut rng, inter, cols, 4),
+            qweight(&mut rng, inter, cols, 4),
+            qweight(&mut rng, cols, inter, 4),
+        ]
+        .map(|q| gpu.upload_qmatrix(q).expect("experts"));
+        let rt = gpu
+            .route(&up(&gpu, &randn(&mut rng, t * e, 3.0), t, e), k, true)
+            .expect("route");
+        let gl = up(&gpu, &randn(&mut rng, t, 3.0), t, 1);
+        let mut resid = up(&gpu, &x, t, cols);
+        let mixed = gpu
+            .moe_block_add_rms_norm(
+                &mut resid,
+                &normed,
+                &rt,
+                [&q[0], &q[1], &q[2]],
+                [&q[3], &q[4], &q[5]],
+                &gl,
+                &gains,
+                eps,
+            )
+            .expect("moe_block_add_rms_norm");
+        products_as_from_the_split_pass(&what("moe_block_add_rms_norm"), &gpu, &mixed, &w, split);
     }
 }
 

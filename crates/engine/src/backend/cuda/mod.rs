@@ -60,6 +60,12 @@ pub struct CudaTensor {
     pub cols: usize,
     /// Set for one token's row normed lazily: see `LazyNorm` and `LazyGate`.
     lazy: Option<Lazy>,
+    /// The split of `buf` that the tensor-core products read (kernels/qmma.cu, split_bf16),
+    /// where the op that wrote the tensor wrote it too: the norms and the attention's output
+    /// gate over many tokens, whose outputs are the products' inputs (kernels/pointwise.cu).
+    /// The products take it instead of splitting `buf` again (`CudaBackend::split_of`). Dropped
+    /// by every op that changes the tensor in place (`CudaBackend::plain_mut`).
+    split: Option<Arc<Split>>,
 }
 
 /// A one-token row that the products reading it finish while staging it.
@@ -128,7 +134,14 @@ impl CudaTensor {
             rows,
             cols,
             lazy: None,
+            split: None,
         }
+    }
+
+    /// Whether the op that wrote this tensor wrote its split for the tensor-core products as
+    /// well (`CudaTensor::split`); the parity tests check those splits.
+    pub fn has_split(&self) -> bool {
+        self.split.is_some()
     }
 
     /// One token's row of `cols` that its readers finish (`Lazy`): its own buffer is empty (a
@@ -144,6 +157,7 @@ impl CudaTensor {
             rows: 1,
             cols,
             lazy: Some(lazy),
+            split: None,
         }
     }
 }
@@ -178,6 +192,29 @@ struct RowNormArg {
 
 // SAFETY: repr(C), a u64 then four 4-byte fields, no padding.
 unsafe impl bytemuck::NoUninit for RowNormArg {}
+
+/// A `SplitOut` kernel parameter (kernels/common.cuh): where a kernel writes its output's split
+/// as well; all zero for none.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SplitArg {
+    hi: u64,
+    lo: u64,
+    sum: u64,
+}
+
+// SAFETY: repr(C), three u64, no padding.
+unsafe impl bytemuck::NoUninit for SplitArg {}
+
+impl SplitArg {
+    fn of(split: Option<&Split>) -> SplitArg {
+        split.map_or_else(SplitArg::default, |s| SplitArg {
+            hi: s.hi.ptr,
+            lo: s.lo.ptr,
+            sum: s.sum.ptr,
+        })
+    }
+}
 
 /// A `HeadNorm` kernel parameter (kernels/quant.cu): a `LazyGate`'s partial sums, their count per
 /// head, the head size and epsilon; all zero for a plain input.
@@ -296,6 +333,7 @@ struct MoeDims {
 
 /// An activation split for the tensor-core products: bf16 hi and lo parts `[rows, cols]` (each
 /// 8-column block in the order 0 4 1 5 2 6 3 7) and f32 sums per 64-column group.
+#[derive(Clone)]
 struct Split {
     hi: DevBuf<u16>,
     lo: DevBuf<u16>,
@@ -315,10 +353,6 @@ pub struct CudaRouting {
     /// writes `ids` and `weights`; any other reader routes them first (`CudaBackend::settle`).
     /// Until then `ids` and `weights` are unwritten.
     deferred: Cell<Option<DeferredRoute>>,
-    /// The split of the tokens' hidden states that the router's products read (route_tokens,
-    /// on the tensor cores), with the address of the tensor it was taken from: the expert
-    /// products of the same tensor take it instead of splitting it again (`moe_grouped`).
-    split: Cell<Option<(u64, Split)>>,
 }
 
 struct DeferredRoute {
@@ -368,6 +402,7 @@ struct Kernels {
     add_assign: CudaFunction,
     swiglu: CudaFunction,
     sigmoid_mul: CudaFunction,
+    sigmoid_mul_split: CudaFunction,
     add_sigmoid_gated: CudaFunction,
     split_q_gate: CudaFunction,
     argmax_rows: CudaFunction,
@@ -540,6 +575,7 @@ impl Kernels {
             add_assign: f("pointwise", "add_assign")?,
             swiglu: f("pointwise", "swiglu")?,
             sigmoid_mul: f("pointwise", "sigmoid_mul")?,
+            sigmoid_mul_split: f("pointwise", "sigmoid_mul_split")?,
             add_sigmoid_gated: f("pointwise", "add_sigmoid_gated")?,
             split_q_gate: f("pointwise", "split_q_gate")?,
             argmax_rows: f("pointwise", "argmax_rows")?,
@@ -1425,7 +1461,7 @@ impl CudaBackend {
             plain!(self, x);
             // One split of the input serves every product; consecutive matrices of one bit
             // width share a launch (at most four per launch).
-            let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
+            let split = self.split_of(x)?;
             let mut outs = Vec::with_capacity(ws.len());
             for group in ws.chunk_by(|a, b| a.bits == b.bits) {
                 for part in group.chunks(4) {
@@ -1955,6 +1991,39 @@ impl CudaBackend {
         self.split_with(&self.k.swiglu_split_bf16, src, rows, cols)
     }
 
+    /// The split of `x` for the tensor-core products: the one its writer made with it, else a
+    /// new one.
+    fn split_of(&self, x: &CudaTensor) -> Result<Split> {
+        match &x.split {
+            Some(split) => Ok(Split::clone(split)),
+            None => self.split(self.ptr(&x.buf), x.rows, x.cols),
+        }
+    }
+
+    /// Room for the split of a `rows x cols` output that the op writing it fills as well (see
+    /// `CudaTensor::split`), where tensor-core products would read it: many rows, and columns
+    /// that make whole 64-column groups. None otherwise.
+    fn split_out(&self, rows: usize, cols: usize) -> Result<Option<Arc<Split>>> {
+        if rows < MMA_MIN_TOKENS || !cols.is_multiple_of(64) {
+            return Ok(None);
+        }
+        self.alloc_split(rows, cols).map(|s| Some(Arc::new(s)))
+    }
+
+    fn alloc_split(&self, rows: usize, cols: usize) -> Result<Split> {
+        if !cols.is_multiple_of(64) {
+            return Err(Error::Backend(format!(
+                "tensor-core product over {cols} columns (a multiple of 64 expected)"
+            )));
+        }
+        let n = rows * cols;
+        Ok(Split {
+            hi: self.tmp::<u16>(n)?,
+            lo: self.tmp::<u16>(n)?,
+            sum: self.tmp::<f32>(n / 64)?,
+        })
+    }
+
     fn split_with(
         &self,
         split_kernel: &CudaFunction,
@@ -1962,17 +2031,8 @@ impl CudaBackend {
         rows: usize,
         cols: usize,
     ) -> Result<Split> {
-        if !cols.is_multiple_of(64) {
-            return Err(Error::Backend(format!(
-                "tensor-core product over {cols} columns (a multiple of 64 expected)"
-            )));
-        }
+        let split = self.alloc_split(rows, cols)?;
         let n = rows * cols;
-        let split = Split {
-            hi: self.tmp::<u16>(n)?,
-            lo: self.tmp::<u16>(n)?,
-            sum: self.tmp::<f32>(n / 64)?,
-        };
         if n > 0 {
             launch!(
                 self,
@@ -2090,13 +2150,7 @@ impl CudaBackend {
                 ntiles.ptr
             ]
         )?;
-        // The router's split of x when it was taken from x (route_tokens), else a new one.
-        let xs = match rt.split.take() {
-            Some((from, split)) if from == self.ptr(&x.buf) && split.hi.len == t * hidden => split,
-            _ => self.split(self.ptr(&x.buf), t, hidden)?,
-        };
-        // Per pair: the gate's products, then the up's from column `stride`.
-        let gu = self.tmp::<f32>(all * 2 * stride)?;
+        let xs = self.split_of(x)?;
         let expert_bytes = |rows, cols| {
             // Every expert's matrix is read at least once (an upper bound for sparse routing).
             e.min(pairs) as u64 * qbytes(rows, cols, gate.bits)
@@ -2106,6 +2160,8 @@ impl CudaBackend {
                     0
                 }
         };
+        // Per pair: the gate's products, then the up's from column `stride`.
+        let gu = self.tmp::<f32>(all * 2 * stride)?;
         let row_tiles = 2 * stride.div_ceil(p.rows as usize);
         launch!(
             self,
@@ -2483,7 +2539,7 @@ impl CudaBackend {
         match lazy {
             Lazy::Norm(n) => {
                 let ptrs = [n.x.ptr, n.gains, 0, self.ptr(&out.buf)];
-                self.launch_norm_rows(ptrs, t.rows, t.cols, n.eps)?;
+                self.launch_norm_rows(ptrs, SplitArg::default(), t.rows, t.cols, n.eps)?;
             }
             Lazy::Gate(g) => launch!(
                 self,
@@ -2497,6 +2553,8 @@ impl CudaBackend {
 
     /// `plain` in place.
     fn plain_mut(&self, t: &mut CudaTensor) -> Result<()> {
+        // The caller changes t: a split of its old values must not outlive them.
+        t.split = None;
         if let Plain::Normed(normed) = self.plain(t)? {
             *t = normed;
         }
@@ -2787,7 +2845,9 @@ impl CudaBackend {
         Ok(end)
     }
 
-    /// RMS norm over rows of `cols` (whole rows or heads), optionally gated by silu(z).
+    /// RMS norm over rows of `cols` (whole rows or heads), optionally gated by silu(z). With
+    /// `for_products` (the output is a product's input) it writes the output's split too, where
+    /// the products would take one (`split_out`).
     fn norm_rows(
         &self,
         x: &CudaTensor,
@@ -2795,6 +2855,7 @@ impl CudaBackend {
         z: Option<&CudaTensor>,
         cols: usize,
         eps: f32,
+        for_products: bool,
     ) -> Result<CudaTensor> {
         if cols == 0 || !x.cols.is_multiple_of(cols) || w.len() < cols {
             return Err(Error::Backend(format!(
@@ -2803,11 +2864,16 @@ impl CudaBackend {
                 w.len()
             )));
         }
-        let out = self.tensor(x.rows, x.cols)?;
+        let mut out = self.tensor(x.rows, x.cols)?;
         let groups = x.rows * x.cols / cols;
         let zp = z.map(|z| self.ptr(&z.buf)).unwrap_or(0);
+        // The kernels split each of their rows: whole 64-column groups of them.
+        if for_products && cols.is_multiple_of(64) {
+            out.split = self.split_out(x.rows, x.cols)?;
+        }
         self.launch_norm_rows(
             [self.ptr(&x.buf), self.ptr(w), zp, self.ptr(&out.buf)],
+            SplitArg::of(out.split.as_deref()),
             groups,
             cols,
             eps,
@@ -2816,10 +2882,11 @@ impl CudaBackend {
     }
 
     /// `rms_norm`'s kernels over `groups` rows of `cols` at the addresses `[x, gains, z (0:
-    /// none), out]`.
+    /// none), out]`, and out's split where `split` says.
     fn launch_norm_rows(
         &self,
         [x, w, zp, out]: [u64; 4],
+        split: SplitArg,
         groups: usize,
         cols: usize,
         eps: f32,
@@ -2832,7 +2899,7 @@ impl CudaBackend {
                 self,
                 self.k.rms_norm_warp,
                 cfg((groups.div_ceil(8) as u32, 1), 256, 0),
-                [x, w, zp, out, groups as i32, cols as i32, eps]
+                [x, w, zp, out, split, groups as i32, cols as i32, eps]
             )?;
         } else if groups > 0 {
             let threads = if cols >= 1024 { 256 } else { 128 };
@@ -2840,7 +2907,7 @@ impl CudaBackend {
                 self,
                 self.k.rms_norm,
                 cfg((groups as u32, 1), threads, 0),
-                [x, w, zp, out, cols as i32, eps]
+                [x, w, zp, out, split, cols as i32, eps]
             )?;
         }
         Ok(())
@@ -3012,7 +3079,7 @@ impl Backend for CudaBackend {
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaSlice<f32>, eps: f32) -> Result<CudaTensor> {
         plain!(self, x);
-        self.norm_rows(x, w, None, x.cols, eps)
+        self.norm_rows(x, w, None, x.cols, eps, true)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
@@ -3034,7 +3101,7 @@ impl Backend for CudaBackend {
         // the matrix there).
         if x.rows >= MMA_MIN_TOKENS {
             plain!(self, x);
-            let split = self.split(self.ptr(&x.buf), x.rows, x.cols)?;
+            let split = self.split_of(x)?;
             return products(self.qmma(&split, x.cols, &[w], x.rows)?).map(|[out]| out);
         }
         let b = self.check_q(x.cols, w)?;
@@ -3150,7 +3217,8 @@ impl Backend for CudaBackend {
         plain!(self, y);
         same_shape(x, y, "add_rms_norm")?;
         check_row_norm(x.cols, w)?;
-        let out = self.tensor(x.rows, x.cols)?;
+        let mut out = self.tensor(x.rows, x.cols)?;
+        out.split = self.split_out(x.rows, x.cols)?;
         if x.rows > 0 {
             let threads = x.cols.div_ceil(NORM_PER_THREAD).next_multiple_of(32);
             launch!(
@@ -3162,6 +3230,7 @@ impl Backend for CudaBackend {
                     self.ptr(&y.buf),
                     self.ptr(w),
                     self.ptr(&out.buf),
+                    SplitArg::of(out.split.as_deref()),
                     x.cols as i32,
                     eps
                 ]
@@ -3475,7 +3544,7 @@ impl Backend for CudaBackend {
     ) -> Result<CudaTensor> {
         plain!(self, y, z);
         same_shape(y, z, "gated_rms_norm")?;
-        self.norm_rows(y, w, Some(z), dim, eps)
+        self.norm_rows(y, w, Some(z), dim, eps, true)
     }
 
     fn split_q_gate(
@@ -3518,7 +3587,7 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<CudaTensor> {
         plain!(self, x);
-        self.norm_rows(x, w, None, dim, eps)
+        self.norm_rows(x, w, None, dim, eps, false)
     }
 
     fn rope(&self, x: &mut CudaTensor, sh: &AttnShape, pos0: usize) -> Result<()> {
@@ -3724,8 +3793,25 @@ impl Backend for CudaBackend {
     fn sigmoid_mul(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor> {
         plain!(self, x, gate);
         same_shape(x, gate, "sigmoid_mul")?;
-        let out = self.tensor(x.rows, x.cols)?;
+        let mut out = self.tensor(x.rows, x.cols)?;
         let n = x.rows * x.cols;
+        // Many tokens: the output gate's product input, split here as well.
+        out.split = self.split_out(x.rows, x.cols)?;
+        if let Some(split) = &out.split {
+            launch!(
+                self,
+                self.k.sigmoid_mul_split,
+                elementwise(n / 8),
+                [
+                    self.ptr(&x.buf),
+                    self.ptr(&gate.buf),
+                    self.ptr(&out.buf),
+                    SplitArg::of(Some(split)),
+                    (n / 8) as i64
+                ]
+            )?;
+            return Ok(out);
+        }
         launch!(
             self,
             self.k.sigmoid_mul,
@@ -3752,7 +3838,6 @@ impl Backend for CudaBackend {
             top_k,
             num_experts: e,
             deferred: Cell::new(None),
-            split: Cell::new(None),
         };
         self.launch_route(self.ptr(&logits.buf), &rt, renormalize)?;
         Ok(rt)
@@ -3768,17 +3853,6 @@ impl Backend for CudaBackend {
     ) -> Result<(CudaRouting, CudaTensor)> {
         let e = router.rows;
         check_routing(e, top_k)?;
-        // Many tokens on the tensor cores: the split of h is kept with the routing for the
-        // expert products, which read the same h (one split pass of [T, hidden] a layer saved).
-        if h.rows >= MMA_MIN_TOKENS && router.bits == shared_gate.bits {
-            plain!(self, h);
-            let split = self.split(self.ptr(&h.buf), h.rows, h.cols)?;
-            let [logits, shared_gate_logit] =
-                products(self.qmma(&split, h.cols, &[router, shared_gate], h.rows)?)?;
-            let routing = self.route(&logits, top_k, renormalize)?;
-            routing.split.set(Some((self.ptr(&h.buf), split)));
-            return Ok((routing, shared_gate_logit));
-        }
         // One token: both products in one launch, the routing left to the expert gate/up
         // kernel that reads it (`CudaRouting::deferred`).
         if h.rows != 1 || router.bits != shared_gate.bits {
@@ -3812,7 +3886,6 @@ impl Backend for CudaBackend {
                 logits,
                 renormalize,
             })),
-            split: Cell::new(None),
         };
         Ok((routing, shared_gate_logit))
     }
@@ -3883,12 +3956,13 @@ impl Backend for CudaBackend {
                 return Ok(self.lazy_norm(x, parts, w, eps));
             }
         };
-        let out = self.tensor(x.rows, x.cols)?;
         // The mixing kernel takes two columns a thread (kernels/pointwise.cu).
         if x.cols > 2 * 1024 {
             let moe = self.combine(&y, logit, rt, x.rows, x.cols)?;
             return self.add_rms_norm(x, &moe, w, eps);
         }
+        let mut out = self.tensor(x.rows, x.cols)?;
+        out.split = self.split_out(x.rows, x.cols)?;
         if x.rows > 0 {
             let threads = x.cols.div_ceil(2).next_multiple_of(32);
             launch!(
@@ -3902,6 +3976,7 @@ impl Backend for CudaBackend {
                     self.ptr(&x.buf),
                     self.ptr(w),
                     self.ptr(&out.buf),
+                    SplitArg::of(out.split.as_deref()),
                     x.cols as i32,
                     rt.top_k as i32,
                     eps

@@ -283,6 +283,54 @@ __device__ __forceinline__ void bf16_split(float x, u32& hi, u32& lo) {
     lo = bf16_bits(x - __uint_as_float(hi << 16));
 }
 
+// Where a split product input goes (qmma.cu's split_bf16 describes the layout): hi and lo
+// [rows][cols] and the f32 sum of each 64-column group [rows][cols / 64]. Passed by value; the
+// kernels that can write one as well as their f32 output (the norms that feed the products) take
+// hi == nullptr as "none".
+struct SplitOut {
+    u16* hi;
+    u16* lo;
+    float* sum;
+};
+
+// 8-column block i of a split input (i counts blocks over the whole [rows][cols / 8]), from its
+// values f: hi and lo in the stored order 0 4 1 5 2 6 3 7, and the group's sum, added with the
+// seven other threads that hold the group's blocks: eight consecutive lanes of one warp, block i
+// in lane i % 8, all of them calling this together. Every writer of a split goes through here, so
+// a split has the same bits whichever kernel wrote it.
+__device__ __forceinline__ void store_split8(const float (&f)[8], SplitOut out, long long i) {
+    u32 h[4], l[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        u32 h0, l0, h1, l1;
+        bf16_split(f[p], h0, l0);
+        bf16_split(f[p + 4], h1, l1);
+        h[p] = h0 | (h1 << 16);
+        l[p] = l0 | (l1 << 16);
+    }
+    reinterpret_cast<uint4*>(out.hi)[i] = make_uint4(h[0], h[1], h[2], h[3]);
+    reinterpret_cast<uint4*>(out.lo)[i] = make_uint4(l[0], l[1], l[2], l[3]);
+    float s = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+    const u32 group = 0xffu << (threadIdx.x & 24);
+    s += __shfl_xor_sync(group, s, 1);
+    s += __shfl_xor_sync(group, s, 2);
+    s += __shfl_xor_sync(group, s, 4);
+    if ((i & 7) == 0) out.sum[i >> 3] = s;
+}
+
+// The split of `cols` values at `row` (16-byte aligned, cols a multiple of 64), row number r of
+// its tensor, by the threads lane0, lane0 + step, ... below `step` (step a multiple of 32: whole
+// warps), each taking an 8-column block in turn. Called after the row's values were stored by
+// the same threads' block (or warp), past the barrier that makes them visible.
+__device__ __forceinline__ void split_row(const float* row, SplitOut out, size_t r, int cols, int lane0, int step) {
+    const int blocks8 = cols / 8;
+    for (int b = lane0; b < blocks8; b += step) {
+        const float4 a = reinterpret_cast<const float4*>(row)[2 * b], c = reinterpret_cast<const float4*>(row)[2 * b + 1];
+        const float f[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        store_split8(f, out, (long long)r * blocks8 + b);
+    }
+}
+
 // Four 8x8 bf16 matrices from shared memory, one per eight lanes' row addresses (lanes 8i..8i+7
 // give the rows of matrix i); lane l receives row l / 4, columns 2 (l % 4) and +1 of each.
 __device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* row) {

@@ -1,12 +1,18 @@
 // Row-wise and elementwise ops: RMS norms (plain, per head, gated), residual adds, SwiGLU, the
 // attention output gate, the shared-expert gate, the q/gate split, and the argmax of logits rows.
 // Every reduction in f32.
+//
+// The ops whose output a tensor-core product reads next (the norms before the in-projections,
+// the router and the experts, the GDN output norm, the attention's output gate) can also write
+// that output's split (`SplitOut`, common.cuh) from the values they stored, so that the product
+// needs no split pass of its own over [T, cols] (mod.rs, `CudaTensor::split`).
 
 // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, one block per row of `cols` (rows may be
 // heads: the per-head norms call this with cols = head_dim). If z is given, the result is
-// multiplied by silu(z[r]) (the GDN output norm).
-extern "C" __global__ void rms_norm(const float* x, const float* w, const float* z, float* out, int cols,
-                                    float eps) { grid_dep();
+// multiplied by silu(z[r]) (the GDN output norm). With split.hi, of rows of a multiple of 64
+// columns, the split of out too.
+extern "C" __global__ void rms_norm(const float* x, const float* w, const float* z, float* out, SplitOut split,
+                                    int cols, float eps) { grid_dep();
     const size_t base = (size_t)blockIdx.x * cols;
     float ss = 0.f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -19,13 +25,18 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
         if (z) v *= silu(z[base + c]);
         out[base + c] = v;
     }
+    if (split.hi) {
+        __syncthreads();  // the row's values are visible to the whole block
+        split_row(out + base, split, blockIdx.x, cols, threadIdx.x, blockDim.x);
+    }
 }
 
 // rms_norm with one warp per row, for short rows (the per-head and the GDN output norms: many
 // rows of 64-256 columns, where a block per row spends its time in the block-wide sum and its
-// barriers). Launch with 256 threads and ceil(rows / 8) blocks.
-extern "C" __global__ void rms_norm_warp(const float* x, const float* w, const float* z, float* out, int rows,
-                                         int cols, float eps) {
+// barriers). Launch with 256 threads and ceil(rows / 8) blocks. The split (as rms_norm's) is of
+// the rows as stored: heads of one token side by side make the token's row of the split.
+extern "C" __global__ void rms_norm_warp(const float* x, const float* w, const float* z, float* out,
+                                         SplitOut split, int rows, int cols, float eps) {
     grid_dep();
     const int lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;
@@ -41,6 +52,10 @@ extern "C" __global__ void rms_norm_warp(const float* x, const float* w, const f
         if (z) v *= silu(z[base + c]);
         out[base + c] = v;
     }
+    if (split.hi) {
+        __syncwarp();  // the row's values are visible to the whole warp
+        split_row(out + base, split, r, cols, lane, 32);
+    }
 }
 
 // Columns per thread of add_rms_norm (`NORM_PER_THREAD`, mod.rs): a row is held in registers, so
@@ -49,11 +64,12 @@ extern "C" __global__ void rms_norm_warp(const float* x, const float* w, const f
 constexpr int NORM_PER_THREAD = 8;
 
 // The residual add fused with the next norm, for row blockIdx.x: x[r] += delta(c) for each
-// column c, then out[r] = rmsnorm(x[r]) * w. cols <= PER_THREAD * blockDim.x. The gains are
-// read before the wait for the previous kernel (they are weights).
+// column c, then out[r] = rmsnorm(x[r]) * w, and with split.hi its split (cols a multiple of 64).
+// cols <= PER_THREAD * blockDim.x. The gains are read before the wait for the previous kernel
+// (they are weights).
 template <int PER_THREAD, class Delta>
-__device__ __forceinline__ void add_rms_norm_row(float* x, const float* w, float* out, int cols, float eps,
-                                                 Delta delta) {
+__device__ __forceinline__ void add_rms_norm_row(float* x, const float* w, float* out, SplitOut split, int cols,
+                                                 float eps, Delta delta) {
     pdl_launch_dependents();
     float g[PER_THREAD], v[PER_THREAD];
 #pragma unroll
@@ -81,13 +97,17 @@ __device__ __forceinline__ void add_rms_norm_row(float* x, const float* w, float
         const int c = threadIdx.x + i * blockDim.x;
         if (c < cols) out[base + c] = v[i] * inv * g[i];
     }
+    if (split.hi) {
+        __syncthreads();  // the row's values are visible to the whole block
+        split_row(out + base, split, blockIdx.x, cols, threadIdx.x, blockDim.x);
+    }
 }
 
 // x[r] += y[r], then out[r] = rmsnorm(x[r]) * w; one block per row.
-extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int cols,
-                                        float eps) {
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, SplitOut split,
+                                        int cols, float eps) {
     const float* yr = y + (size_t)blockIdx.x * cols;
-    add_rms_norm_row<NORM_PER_THREAD>(x, w, out, cols, eps, [&](int c) { return yr[c]; });
+    add_rms_norm_row<NORM_PER_THREAD>(x, w, out, split, cols, eps, [&](int c) { return yr[c]; });
 }
 
 // The MoE block's output mixed into the residual add (moe_combine's sum, in its order), then the
@@ -100,12 +120,12 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
 // (a 4,096-token chunk's mixes 7.0 -> 5.4 ms, docs/performance.md, run46).
 extern "C" __global__ void __launch_bounds__(1024, 2)
     moe_combine_add_rms_norm(const float* y, const float* weights, const float* shared_logit, float* x, const float* w,
-                             float* out, int cols, int top_k, float eps) {
+                             float* out, SplitOut split, int cols, int top_k, float eps) {
     const size_t t = blockIdx.x, pairs = (size_t)gridDim.x * top_k;
     const float* wt = weights + t * top_k;
     const float* yt = y + t * top_k * cols;
     const float* ys = y + (pairs + t) * cols;
-    add_rms_norm_row<2>(x, w, out, cols, eps, [&](int c) {
+    add_rms_norm_row<2>(x, w, out, split, cols, eps, [&](int c) {
         return moe_mix(
             wt, top_k, shared_logit ? shared_logit + t : nullptr, [&](int j) { return yt[(size_t)j * cols + c]; },
             [&] { return ys[c]; });
@@ -128,6 +148,26 @@ extern "C" __global__ void swiglu(const float* g, const float* u, float* out, lo
 extern "C" __global__ void sigmoid_mul(const float* x, const float* gate, float* out, long long n) { grid_dep();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = x[i] * sigmoid(gate[i]);
+}
+
+// sigmoid_mul with out's split as well: a thread per 8-column block (blocks8 of them, rows of a
+// multiple of 64 columns, 16-byte aligned buffers). Launch with 256 threads and
+// ceil(blocks8 / 256) blocks.
+extern "C" __global__ void sigmoid_mul_split(const float* x, const float* gate, float* out, SplitOut split,
+                                             long long blocks8) {
+    grid_dep();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    // A group's 8 threads are all in range or all out (blocks8 is a multiple of 8).
+    if (i >= blocks8) return;
+    const float4* x4 = reinterpret_cast<const float4*>(x) + 2 * i;
+    const float4* g4 = reinterpret_cast<const float4*>(gate) + 2 * i;
+    const float4 xa = x4[0], xb = x4[1], ga = g4[0], gb = g4[1];
+    const float f[8] = {xa.x * sigmoid(ga.x), xa.y * sigmoid(ga.y), xa.z * sigmoid(ga.z), xa.w * sigmoid(ga.w),
+                        xb.x * sigmoid(gb.x), xb.y * sigmoid(gb.y), xb.z * sigmoid(gb.z), xb.w * sigmoid(gb.w)};
+    float4* o4 = reinterpret_cast<float4*>(out) + 2 * i;
+    o4[0] = make_float4(f[0], f[1], f[2], f[3]);
+    o4[1] = make_float4(f[4], f[5], f[6], f[7]);
+    store_split8(f, split, i);
 }
 
 // out[t][c] += sigmoid(gate_logit[t]) * y[t][c].

@@ -13,7 +13,9 @@
 //
 // Split activations. split_bf16 writes a product's input once as hi and lo [rows][cols] plus the
 // f32 sum of each 64-column group [rows][cols / 64], so that the product's blocks (which all
-// read the same rows) stage them by plain copies. Within each 8-column block the columns are
+// read the same rows) stage them by plain copies. The kernels that write a product's input (the
+// norms and the attention's output gate, pointwise.cu) write the same split themselves, through
+// store_split8 (common.cuh), and save the pass. Within each 8-column block the columns are
 // stored in the order 0 4 1 5 2 6 3 7: a u32 of eight 4-bit codes then unpacks, two nibbles at
 // a time ((w >> 4p) & 0x000f000f), straight into the bf16 pairs that meet them. The weights use
 // the same order, so every dot product is unchanged.
@@ -55,23 +57,7 @@ __device__ __forceinline__ void split_rows(const float* x, u16* hi, u16* lo, flo
         const float4 a = reinterpret_cast<const float4*>(x)[2 * i], b = reinterpret_cast<const float4*>(x)[2 * i + 1];
         f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
     }
-    u32 h[4], l[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        u32 h0, l0, h1, l1;
-        bf16_split(f[p], h0, l0);
-        bf16_split(f[p + 4], h1, l1);
-        h[p] = h0 | (h1 << 16);
-        l[p] = l0 | (l1 << 16);
-    }
-    reinterpret_cast<uint4*>(hi)[i] = make_uint4(h[0], h[1], h[2], h[3]);
-    reinterpret_cast<uint4*>(lo)[i] = make_uint4(l[0], l[1], l[2], l[3]);
-    float s = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
-    const u32 group = 0xffu << (threadIdx.x & 24);
-    s += __shfl_xor_sync(group, s, 1);
-    s += __shfl_xor_sync(group, s, 2);
-    s += __shfl_xor_sync(group, s, 4);
-    if ((i & 7) == 0) sum[i >> 3] = s;
+    store_split8(f, {hi, lo, sum}, i);
 }
 
 extern "C" __global__ void split_bf16(const float* x, u16* hi, u16* lo, float* sum, long long blocks8, int cols) {
