@@ -261,13 +261,19 @@ fn norms_match() {
         return;
     };
     let mut rng = StdRng::seed_from_u64(23);
-    // Per-head rows: few (a block each) and, at 100 tokens, 3,200 (a warp each).
+    // Per-head rows: few (a block each) and many: 8-column blocks a lane (`rms_norm_rows8`) at
+    // 64 (four rows a warp; 441 rows, the last warp partly empty), 128, 256 and 512 columns (two
+    // blocks a lane), and a warp a row (`rms_norm_warp`) at 48, whose six blocks do not pack.
     for (t, cols, dim) in [
         (1, 2048, 128),
         (3, 4096, 256),
         (5, 64, 32),
         (2, 4096, 128),
         (100, 4096, 128),
+        (7, 4032, 64),
+        (90, 4096, 256),
+        (70, 4096, 512),
+        (100, 4800, 48),
     ] {
         let x = randn(&mut rng, t * cols, 2.0);
         let z = randn(&mut rng, t * cols, 3.0);
@@ -1130,8 +1136,9 @@ fn experts_grouped_from_more_pairs_than_one_batch() {
     else {
         return;
     };
-    // 4,200 tokens x 8 experts: 33,600 pairs, more than moe_group's threads hold in one batch
-    // (32 x 1,024, kernels/qmma.cu), on a small shape so that the CPU reference stays quick.
+    // 4,200 tokens x 8 experts: 33,600 pairs, 33 blocks of moe_group_count (1,024 pairs each,
+    // kernels/qmma.cu), so that moe_group_scan loads their counts in three batches of 16, on a
+    // small shape so that the CPU reference stays quick.
     let mut rng = StdRng::seed_from_u64(29);
     let (e, k, hidden, inter, t) = (16, 8, 64, 64, 4200);
     let w = [
@@ -1256,8 +1263,9 @@ fn fused_projections_and_residual_norm_match() {
     // matrices (more than one launch holds; the GDN in-projections' four walk their rows on a
     // grid of two blocks per SM, `gemv_batch_stream`); the attention in-projections; odd row
     // counts (four-row warps instead of the walk); 8-bit rows walked. One token (the
-    // matrix-vector kernels) and 40 (the tensor cores: each launch of up to four matrices of one
-    // bit width, with a partial tile of tokens).
+    // matrix-vector kernels), 40 (the tensor cores: each launch of up to four matrices of one
+    // bit width, with a partial tile of tokens) and 90 (on 64-slot tiles, a full tile and one of
+    // 26 tokens).
     let sets: [Vec<(usize, u32)>; 5] = [
         vec![(256, 8), (1, 8), (512, 4), (512, 4)],
         vec![(8192, 4), (4096, 4), (32, 4), (32, 4), (100, 4)],
@@ -1270,7 +1278,7 @@ fn fused_projections_and_residual_norm_match() {
             .iter()
             .map(|&(r, bits)| qweight(&mut rng, r, cols, bits))
             .collect();
-        for t in [1, 40] {
+        for t in [1, 40, 90] {
             let x = randn(&mut rng, t * cols, 1.0);
             let y = randn(&mut rng, t * cols, 1.0);
             let g = randn(&mut rng, cols, 1.0);
@@ -1726,12 +1734,14 @@ fn moe_block_with_the_shared_expert_matches() {
     // (experts, top_k, hidden, expert intermediate, shared intermediate, bits): the 35B shape;
     // tiny-alt's, whose shared expert is narrower than its experts; 8-bit experts with top 9, the
     // most pairs one token's fused down-and-mix kernel holds (`moe_down_mix`); expert rows of 32
-    // vectors of codes, which that kernel's half warps walk in two rounds.
+    // vectors of codes, which that kernel's half warps walk in two rounds; rows wider than the
+    // mixing kernel takes (2,048), mixed and then normed by add_rms_norm.
     for (e, k, hidden, inter, inter_s, bits) in [
         (256, 8, 2048, 512, 512, 4),
         (8, 4, 192, 128, 64, 4),
         (16, 9, 320, 256, 128, 8),
         (16, 4, 256, 1024, 512, 4),
+        (8, 2, 2560, 64, 64, 4),
     ] {
         let w = [
             qweight(&mut rng, e * inter, hidden, bits),

@@ -390,7 +390,9 @@ struct Kernels {
     moe_down: [[CudaFunction; 3]; 2],
     /// `[bits]`: one token's expert down products mixed into the residual, its norm left lazy.
     moe_down_mix: [CudaFunction; 2],
-    moe_group: CudaFunction,
+    moe_group_count: CudaFunction,
+    moe_group_scan: CudaFunction,
+    moe_group_scatter: CudaFunction,
     split_bf16: CudaFunction,
     swiglu_split_bf16: CudaFunction,
     moe_combine: CudaFunction,
@@ -398,6 +400,7 @@ struct Kernels {
     moe_route: CudaFunction,
     rms_norm: CudaFunction,
     rms_norm_warp: CudaFunction,
+    rms_norm_rows8: CudaFunction,
     add_rms_norm: CudaFunction,
     add_assign: CudaFunction,
     swiglu: CudaFunction,
@@ -563,7 +566,9 @@ impl Kernels {
             moe_gate_up: variants("moe_gate_up")?,
             moe_down: variants("moe_down")?,
             moe_down_mix: pair("moe_down_mix")?,
-            moe_group: f("qmma", "moe_group")?,
+            moe_group_count: f("qmma", "moe_group_count")?,
+            moe_group_scan: f("qmma", "moe_group_scan")?,
+            moe_group_scatter: f("qmma", "moe_group_scatter")?,
             split_bf16: f("qmma", "split_bf16")?,
             swiglu_split_bf16: f("qmma", "swiglu_split_bf16")?,
             moe_combine: f("quant", "moe_combine")?,
@@ -571,6 +576,7 @@ impl Kernels {
             moe_route: f("quant", "moe_route")?,
             rms_norm: f("pointwise", "rms_norm")?,
             rms_norm_warp: f("pointwise", "rms_norm_warp")?,
+            rms_norm_rows8: f("pointwise", "rms_norm_rows8")?,
             add_rms_norm: f("pointwise", "add_rms_norm")?,
             add_assign: f("pointwise", "add_assign")?,
             swiglu: f("pointwise", "swiglu")?,
@@ -1338,13 +1344,16 @@ enum MoeOut {
 const GROUPED_MOE_MIN_TOKENS: usize = 32;
 /// Experts plus the shared expert that the grouping kernel can count (`MAX_GROUPS`, qmma.cu).
 const MAX_EXPERT_GROUPS: usize = 1024;
+/// Pairs each block of the grouping's first kernel counts (`MOE_GROUP_PAIRS`, qmma.cu).
+const MOE_GROUP_PAIRS: usize = 1024;
 
 /// Rows of at most this many columns, this many rows or more, are normed a warp each
-/// (`rms_norm_warp`).
+/// (`rms_norm_warp`), or several to a warp in 8-column blocks where they fit (`rms_norm_rows8`).
 const SHORT_NORM_COLS: usize = 512;
 const SHORT_NORM_MIN_ROWS: usize = 256;
 
-/// Columns per thread of the residual-add norm (`NORM_PER_THREAD`, kernels/pointwise.cu).
+/// Columns per thread of the residual-add norms: an 8-column block (`add_rms_norm_row8`,
+/// kernels/pointwise.cu).
 const NORM_PER_THREAD: usize = 8;
 
 /// Tokens per thread of the conv kernel (`CONV_TOKENS`, kernels/gdn.cu).
@@ -2134,22 +2143,61 @@ impl CudaBackend {
         let perm = self.tmp::<i32>(all)?;
         let tiles = self.tmp::<i32>(3 * max_tiles)?;
         let ntiles = self.tmp::<i32>(1)?;
+        // Sorted in three launches (kernels/qmma.cu, moe_group_count): a rank per pair, and
+        // per block of MOE_GROUP_PAIRS pairs a count (then a first index) per group.
+        let count_blocks = pairs.div_ceil(MOE_GROUP_PAIRS);
+        let rank = self.tmp::<i32>(pairs.max(1))?;
+        let counts = self.tmp::<i32>((count_blocks * groups).max(1))?;
+        let start = self.tmp::<i32>(groups)?;
+        if pairs > 0 {
+            launch!(
+                self,
+                self.k.moe_group_count,
+                cfg((count_blocks as u32, 1), MOE_GROUP_PAIRS as u32, 0),
+                [
+                    self.ptr(&rt.ids),
+                    pairs as i32,
+                    groups as i32,
+                    rank.ptr,
+                    counts.ptr
+                ]
+            )?;
+        }
         launch!(
             self,
-            self.k.moe_group,
+            self.k.moe_group_scan,
             cfg((1, 1), 1024, 0),
             [
-                self.ptr(&rt.ids),
-                pairs as i32,
+                counts.ptr,
+                count_blocks as i32,
                 t as i32,
                 e as i32,
                 i32::from(with_shared),
                 p.slots as i32,
-                perm.ptr,
+                start.ptr,
                 tiles.ptr,
                 ntiles.ptr
             ]
         )?;
+        if all > 0 {
+            launch!(
+                self,
+                self.k.moe_group_scatter,
+                cfg((all.div_ceil(256) as u32, 1), 256, 0),
+                [
+                    self.ptr(&rt.ids),
+                    rank.ptr,
+                    counts.ptr,
+                    start.ptr,
+                    pairs as i32,
+                    t as i32,
+                    e as i32,
+                    i32::from(with_shared),
+                    perm.ptr
+                ]
+            )?;
+        }
+        drop((rank, counts, start));
         let xs = self.split_of(x)?;
         let expert_bytes = |rows, cols| {
             // Every expert's matrix is read at least once (an upper bound for sparse routing).
@@ -2894,7 +2942,21 @@ impl CudaBackend {
         // Many short rows (a prefill chunk's per-head norms) a warp each, eight to a block; long
         // rows, and the few of one decode token (where the block kernel is faster: 1.30 against
         // 2.04 us for 32 rows of 128), a block each.
-        if groups >= SHORT_NORM_MIN_ROWS && cols <= SHORT_NORM_COLS {
+        let blocks8 = cols / 8;
+        if groups >= SHORT_NORM_MIN_ROWS
+            && cols <= SHORT_NORM_COLS
+            && cols.is_multiple_of(8)
+            && (32 % blocks8 == 0 || blocks8.is_multiple_of(32))
+        {
+            // 8-column blocks a lane, min(32, cols / 8) lanes a row, whole rows to a warp.
+            let rows_per_block = 256 / blocks8.min(32);
+            launch!(
+                self,
+                self.k.rms_norm_rows8,
+                cfg((groups.div_ceil(rows_per_block) as u32, 1), 256, 0),
+                [x, w, zp, out, split, groups as i32, cols as i32, eps]
+            )?;
+        } else if groups >= SHORT_NORM_MIN_ROWS && cols <= SHORT_NORM_COLS {
             launch!(
                 self,
                 self.k.rms_norm_warp,
@@ -3956,15 +4018,15 @@ impl Backend for CudaBackend {
                 return Ok(self.lazy_norm(x, parts, w, eps));
             }
         };
-        // The mixing kernel takes two columns a thread (kernels/pointwise.cu).
-        if x.cols > 2 * 1024 {
+        // The mixing kernel takes an 8-column block a thread, at most 256 threads (kernels/pointwise.cu).
+        if !x.cols.is_multiple_of(NORM_PER_THREAD) || x.cols > NORM_PER_THREAD * 256 {
             let moe = self.combine(&y, logit, rt, x.rows, x.cols)?;
             return self.add_rms_norm(x, &moe, w, eps);
         }
         let mut out = self.tensor(x.rows, x.cols)?;
         out.split = self.split_out(x.rows, x.cols)?;
         if x.rows > 0 {
-            let threads = x.cols.div_ceil(2).next_multiple_of(32);
+            let threads = (x.cols / NORM_PER_THREAD).next_multiple_of(32);
             launch!(
                 self,
                 self.k.moe_combine_add_rms_norm,

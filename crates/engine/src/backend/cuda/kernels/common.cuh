@@ -98,8 +98,9 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 // One token's MoE output at one column: its top_k pairs' values load(j) mixed by weights[j] in the
 // order j = 0..top_k-1 (as moe_combine and the CPU reference add them), then, with a shared expert
 // (shared_logit not null), load_shared() gated by sigmoid(*shared_logit) added. The first
-// MIX_LOADS values and the shared one are loaded before any is summed. moe_combine_add_rms_norm
-// (pointwise.cu) and moe_down_mix (quant.cu) mix with it.
+// MIX_LOADS values and the shared one are loaded before any is summed. moe_down_mix (quant.cu)
+// mixes with it; moe_combine_add_rms_norm (pointwise.cu) does the same arithmetic on eight
+// columns at once.
 #define MIX_LOADS 10
 template <class Load, class LoadShared>
 __device__ __forceinline__ float moe_mix(const float* weights, int top_k, const float* shared_logit, Load load,
@@ -283,6 +284,36 @@ __device__ __forceinline__ void bf16_split(float x, u32& hi, u32& lo) {
     lo = bf16_bits(x - __uint_as_float(hi << 16));
 }
 
+// Eight consecutive floats from (to) 16-byte aligned memory, as two float4.
+__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+__device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+// The same for a thread's 8-column block of a row whose width may not be a multiple of 8: n of
+// the block's columns are in the row (zeros past them), and with vec (the width a multiple of 8,
+// so the block 16-byte aligned) they move as two float4, else one at a time.
+__device__ __forceinline__ void load_cols8(const float* p, float (&f)[8], int n, bool vec) {
+    if (vec) {
+        load8(p, f);
+        return;
+    }
+#pragma unroll
+    for (int c = 0; c < 8; ++c) f[c] = c < n ? p[c] : 0.f;
+}
+__device__ __forceinline__ void store_cols8(float* p, const float (&f)[8], int n, bool vec) {
+    if (vec) {
+        store8(p, f);
+        return;
+    }
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+        if (c < n) p[c] = f[c];
+}
+
 // Where a split product input goes (qmma.cu's split_bf16 describes the layout): hi and lo
 // [rows][cols] and the f32 sum of each 64-column group [rows][cols / 64]. Passed by value; the
 // kernels that can write one as well as their f32 output (the norms that feed the products) take
@@ -325,8 +356,8 @@ __device__ __forceinline__ void store_split8(const float (&f)[8], SplitOut out, 
 __device__ __forceinline__ void split_row(const float* row, SplitOut out, size_t r, int cols, int lane0, int step) {
     const int blocks8 = cols / 8;
     for (int b = lane0; b < blocks8; b += step) {
-        const float4 a = reinterpret_cast<const float4*>(row)[2 * b], c = reinterpret_cast<const float4*>(row)[2 * b + 1];
-        const float f[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        float f[8];
+        load8(row + 8 * b, f);
         store_split8(f, out, (long long)r * blocks8 + b);
     }
 }

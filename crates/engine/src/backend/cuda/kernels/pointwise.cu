@@ -58,77 +58,132 @@ extern "C" __global__ void rms_norm_warp(const float* x, const float* w, const f
     }
 }
 
-// Columns per thread of add_rms_norm (`NORM_PER_THREAD`, mod.rs): a row is held in registers, so
-// every load of x and y is issued before any store to x (looping with a store between loads
-// waited for a round trip to memory per element).
-constexpr int NORM_PER_THREAD = 8;
-
-// The residual add fused with the next norm, for row blockIdx.x: x[r] += delta(c) for each
-// column c, then out[r] = rmsnorm(x[r]) * w, and with split.hi its split (cols a multiple of 64).
-// cols <= PER_THREAD * blockDim.x. The gains are read before the wait for the previous kernel
-// (they are weights).
-template <int PER_THREAD, class Delta>
-__device__ __forceinline__ void add_rms_norm_row(float* x, const float* w, float* out, SplitOut split, int cols,
-                                                 float eps, Delta delta) {
-    pdl_launch_dependents();
-    float g[PER_THREAD], v[PER_THREAD];
+// rms_norm_warp for rows of a multiple of 8 columns whose 8-column blocks (cols / 8 of them)
+// divide 32 or are a multiple of it: min(32, cols / 8) lanes of a warp a row, each taking 8
+// consecutive columns at a time as two float4, and with split.hi writing the split from the same
+// registers. The strided form above spent a load and a store instruction a column and read its
+// output back for the split (the GDN output norm, 4,096 x 32 rows of 128 a chunk: 2.6 TB/s,
+// docs/performance.md, run49). Launch with 256 threads and ceil(rows / (8 * 32 / lanes)) blocks.
+extern "C" __global__ void rms_norm_rows8(const float* x, const float* w, const float* z, float* out, SplitOut split,
+                                          int rows, int cols, float eps) {
+    grid_dep();
+    const int blocks8 = cols >> 3, lanes = min(32, blocks8), lane = threadIdx.x & 31;
+    const int r = (blockIdx.x * blockDim.x + threadIdx.x) / lanes, b0 = lane % lanes;
+    if (r >= rows) return;  // the whole row's lanes alike
+    // The row's lanes: the shuffles below stay among them.
+    const u32 mask = lanes == 32 ? ~0u : ((1u << lanes) - 1) << (lane - b0);
+    constexpr int MAX_PER_LANE = 2;  // cols <= 512 (SHORT_NORM_COLS, mod.rs)
+    float v[MAX_PER_LANE][8];
+    float ss = 0.f;
+    const size_t base = (size_t)r * cols;
 #pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        g[i] = c < cols ? w[c] : 0.f;
+    for (int k = 0; k < MAX_PER_LANE; ++k) {
+        const int b = b0 + k * lanes;
+        if (b < blocks8) {
+            load8(x + base + 8 * b, v[k]);
+#pragma unroll
+            for (int c = 0; c < 8; ++c) ss = fmaf(v[k][c], v[k][c], ss);
+        }
     }
-    pdl_wait();
-    const size_t base = (size_t)blockIdx.x * cols;
+    for (int o = 1; o < lanes; o <<= 1) ss += __shfl_xor_sync(mask, ss, o);
+    const float inv = 1.f / sqrtf(ss / (float)cols + eps);
+#pragma unroll
+    for (int k = 0; k < MAX_PER_LANE; ++k) {
+        const int b = b0 + k * lanes;
+        if (b >= blocks8) continue;
+        float g[8], zv[8];
+        load8(w + 8 * b, g);
+        if (z) load8(z + base + 8 * b, zv);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            v[k][c] = v[k][c] * inv * g[c];
+            if (z) v[k][c] *= silu(zv[c]);
+        }
+        store8(out + base + 8 * b, v[k]);
+        if (split.hi) store_split8(v[k], split, (long long)r * blocks8 + b);
+    }
+}
+
+// The residual add fused with the next norm, for row blockIdx.x, an 8-column block a thread:
+// thread b's columns 8b .. 8b + 7 of x[r] += d, the values that delta(d, n, vec) loads (n of
+// them in the row; vec: cols a multiple of 8, see load_cols8), then out[r] = rmsnorm(x[r]) * w
+// and, with split.hi, its split from the same registers (store_split8; cols a multiple of 64).
+// Loads are float4, and the split needs neither a second pass over the row nor a barrier before
+// it: with a thread per strided column the MoE mix spent ~360 instructions a column and moved
+// ~2.7 TB/s (docs/performance.md, run49). cols at most 8 * blockDim.x, and a multiple of 8 unless
+// ANY_WIDTH; 16-byte aligned rows.
+template <bool ANY_WIDTH, class Delta>
+__device__ __forceinline__ void add_rms_norm_row8(float* x, const float* w, float* out, SplitOut split, int cols,
+                                                  float eps, Delta delta) {
+    const int b = threadIdx.x, n = min(8, cols - 8 * b);
+    const bool mine = n > 0, vec = !ANY_WIDTH || (cols & 7) == 0;
+    const size_t at = (size_t)blockIdx.x * cols + 8 * b;  // this block's offset in a [T, cols] tensor
+    grid_dep();
+    float v[8] = {};
+    if (mine) {
+        load_cols8(x + at, v, n, vec);
+        float d[8];
+        delta(d, n, vec);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) v[c] += d[c];
+        store_cols8(x + at, v, n, vec);
+    }
     float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        v[i] = c < cols ? x[base + c] + delta(c) : 0.f;
-        ss = fmaf(v[i], v[i], ss);
-    }
-#pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < cols) x[base + c] = v[i];
-    }
+    for (int c = 0; c < 8; ++c) ss = fmaf(v[c], v[c], ss);
     const float inv = 1.f / sqrtf(block_sum(ss) / (float)cols + eps);
+    if (!mine) return;
+    // The gains after the sum: held from the start, they cost the MoE mix's loads registers.
+    float g[8];
+    load_cols8(w + 8 * b, g, n, vec);
 #pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < cols) out[base + c] = v[i] * inv * g[i];
-    }
-    if (split.hi) {
-        __syncthreads();  // the row's values are visible to the whole block
-        split_row(out + base, split, blockIdx.x, cols, threadIdx.x, blockDim.x);
-    }
+    for (int c = 0; c < 8; ++c) v[c] = v[c] * inv * g[c];
+    store_cols8(out + at, v, n, vec);
+    if (split.hi) store_split8(v, split, (long long)(at >> 3));
 }
 
-// x[r] += y[r], then out[r] = rmsnorm(x[r]) * w; one block per row.
+// x[r] += y[r], then out[r] = rmsnorm(x[r]) * w; one block per row of ceil(cols / 8) threads
+// rounded up to a multiple of 32 (add_rms_norm_row8), rows of any width.
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, SplitOut split,
                                         int cols, float eps) {
-    const float* yr = y + (size_t)blockIdx.x * cols;
-    add_rms_norm_row<NORM_PER_THREAD>(x, w, out, split, cols, eps, [&](int c) { return yr[c]; });
+    add_rms_norm_row8<true>(x, w, out, split, cols, eps, [&](float (&d)[8], int n, bool vec) {
+        load_cols8(y + (size_t)blockIdx.x * cols + 8 * threadIdx.x, d, n, vec);
+    });
 }
 
+// Experts whose outputs a moe_combine_add_rms_norm thread holds at once (the 35B's eight): with
+// MIX_LOADS' ten the kernel needed 176 registers, one block an SM.
+constexpr int COMBINE_LOADS = 8;
+
 // The MoE block's output mixed into the residual add (moe_combine's sum, in its order), then the
-// next norm: one block per token t over y [pairs (+ tokens), cols] (pair t * top_k + j is token
-// t's j-th expert; with a shared expert, pair pairs + t is its output, gated by
-// sigmoid(shared_logit[t])). One block reads the row's k + 1 outputs, so they are loaded all at
-// once: two columns a thread (cols <= 2 * blockDim.x), mixed by moe_mix (common.cuh). At most 32
-// registers (8 bytes spilled), so that two blocks of 1,024 threads (the 35B's rows) share an SM:
-// with 48 only one fitted, and each SM waited on its loads, then its sums and stores, in turn
-// (a 4,096-token chunk's mixes 7.0 -> 5.4 ms, docs/performance.md, run46).
-extern "C" __global__ void __launch_bounds__(1024, 2)
+// next norm (add_rms_norm_row8): one block per token t over y [pairs (+ tokens), cols] (pair
+// t * top_k + j is token t's j-th expert; with a shared expert, pair pairs + t is its output,
+// gated by sigmoid(shared_logit[t])). Thread b's k + 1 outputs are loaded at once, two float4
+// each, and mixed column by column as moe_mix (common.cuh) mixes. cols a multiple of 8 (the mod.rs
+// side checks), at most 8 * 256; launch with cols / 8 threads rounded up to a multiple of 32.
+extern "C" __global__ void __launch_bounds__(256, 2)
     moe_combine_add_rms_norm(const float* y, const float* weights, const float* shared_logit, float* x, const float* w,
                              float* out, SplitOut split, int cols, int top_k, float eps) {
     const size_t t = blockIdx.x, pairs = (size_t)gridDim.x * top_k;
-    const float* wt = weights + t * top_k;
-    const float* yt = y + t * top_k * cols;
-    const float* ys = y + (pairs + t) * cols;
-    add_rms_norm_row<2>(x, w, out, split, cols, eps, [&](int c) {
-        return moe_mix(
-            wt, top_k, shared_logit ? shared_logit + t : nullptr, [&](int j) { return yt[(size_t)j * cols + c]; },
-            [&] { return ys[c]; });
+    add_rms_norm_row8<false>(x, w, out, split, cols, eps, [&](float (&d)[8], int, bool) {
+        const float* wt = weights + t * top_k;
+        const float* yt = y + t * top_k * cols + 8 * threadIdx.x;
+        float yv[COMBINE_LOADS][8], s[8] = {};
+#pragma unroll
+        for (int j = 0; j < COMBINE_LOADS; ++j)
+            if (j < top_k) load8(yt + (size_t)j * cols, yv[j]);
+        if (shared_logit) load8(y + (pairs + t) * cols + 8 * threadIdx.x, s);
+        const float den = shared_logit ? 1.f + expf(-shared_logit[t]) : 1.f;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            float acc = 0.f;
+#pragma unroll
+            for (int j = 0; j < COMBINE_LOADS; ++j)
+                if (j < top_k) acc = fmaf(wt[j], yv[j][c], acc);
+            for (int j = COMBINE_LOADS; j < top_k; ++j) acc = fmaf(wt[j], yt[(size_t)j * cols + c], acc);
+            if (shared_logit) acc += s[c] / den;
+            d[c] = acc;
+        }
     });
 }
 
@@ -159,14 +214,12 @@ extern "C" __global__ void sigmoid_mul_split(const float* x, const float* gate, 
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     // A group's 8 threads are all in range or all out (blocks8 is a multiple of 8).
     if (i >= blocks8) return;
-    const float4* x4 = reinterpret_cast<const float4*>(x) + 2 * i;
-    const float4* g4 = reinterpret_cast<const float4*>(gate) + 2 * i;
-    const float4 xa = x4[0], xb = x4[1], ga = g4[0], gb = g4[1];
-    const float f[8] = {xa.x * sigmoid(ga.x), xa.y * sigmoid(ga.y), xa.z * sigmoid(ga.z), xa.w * sigmoid(ga.w),
-                        xb.x * sigmoid(gb.x), xb.y * sigmoid(gb.y), xb.z * sigmoid(gb.z), xb.w * sigmoid(gb.w)};
-    float4* o4 = reinterpret_cast<float4*>(out) + 2 * i;
-    o4[0] = make_float4(f[0], f[1], f[2], f[3]);
-    o4[1] = make_float4(f[4], f[5], f[6], f[7]);
+    float f[8], g[8];
+    load8(x + 8 * i, f);
+    load8(gate + 8 * i, g);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) f[c] *= sigmoid(g[c]);
+    store8(out + 8 * i, f);
     store_split8(f, split, i);
 }
 

@@ -51,11 +51,13 @@ __device__ __forceinline__ void split_rows(const float* x, u16* hi, u16* lo, flo
     if constexpr (GLU) {
         const long long row = i / (cols / 8), c = (i % (cols / 8)) * 8;
         const float* g = x + row * 2 * cols + c;
+        float u[8];
+        load8(g, f);
+        load8(g + cols, u);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) f[j] = silu(g[j]) * g[cols + j];
+        for (int j = 0; j < 8; ++j) f[j] = silu(f[j]) * u[j];
     } else {
-        const float4 a = reinterpret_cast<const float4*>(x)[2 * i], b = reinterpret_cast<const float4*>(x)[2 * i + 1];
-        f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+        load8(x + 8 * i, f);
     }
     store_split8(f, {hi, lo, sum}, i);
 }
@@ -735,15 +737,23 @@ PRODUCT_SHAPES(QMMA_DENSE)
 
 // ---- the routed experts grouped by expert. Pair p < pairs is token p / top_k's (p % top_k)-th
 // chosen expert ids[p]; with a shared expert, pair pairs + t is token t's, as the virtual expert
-// `experts`. moe_group sorts the pairs by expert (perm) and cuts each expert's run into tiles of
+// `experts`. Three kernels sort the pairs by expert (perm) and cut each expert's run into tiles of
 // up to `slots` pairs (the products' token slots): tiles[3 * i] = expert, [3 * i + 1] = first
-// index into perm, [3 * i + 2] = pairs in the tile; ntiles[0] = the tile count. The order of the pairs inside an expert's run
-// does not matter: each pair's outputs depend only on its own activations.
+// index into perm, [3 * i + 2] = pairs in the tile; ntiles[0] = the tile count. The order of the
+// pairs inside an expert's run does not matter: each pair's outputs depend only on its own
+// activations. One block of 1,024 threads did all of it in 42 us a layer at 4,096 tokens, its one
+// SM's scattered stores the bound; over the grid it takes a few (docs/performance.md, run49).
+//   moe_group_count:   each block of MOE_GROUP_PAIRS pairs counts its pairs per expert, and
+//                      ranks each pair among its block's pairs of the same expert;
+//   moe_group_scan:    one block: per expert, each count block's first index in the expert's
+//                      run; the runs' starts and tiles (scans over the experts);
+//   moe_group_scatter: perm[start + the block's first index + rank] = pair.
 
 constexpr int MAX_GROUPS = 1024;
-// Pairs whose ids a moe_group thread holds at once: a 4,096-token chunk's 32,768 pairs in one
-// batch of 1,024 threads.
-constexpr int MOE_GROUP_BATCH = 32;
+// Pairs a moe_group_count block takes, one a thread.
+constexpr int MOE_GROUP_PAIRS = 1024;
+// Count blocks whose counts a moe_group_scan thread loads at once (a 4,096-token chunk has 32).
+constexpr int MOE_SCAN_BATCH = 16;
 
 // Exclusive prefix sums of a and b over the block's threads in order (every thread calls it,
 // 1,024 at most); the totals in ta and tb.
@@ -773,39 +783,50 @@ __device__ __forceinline__ void block_scan2(int& a, int& b, int& ta, int& tb) {
     b = (warp > 0 ? wb[warp - 1] : 0) + ib - b;
 }
 
-// One block of 1024 threads. Expert ids must lie in [0, experts); experts + 1 <= MAX_GROUPS.
-// Each thread loads its pairs' ids (up to MOE_GROUP_BATCH at a time) before it uses any: loaded
-// one at a time in each pass, they cost a memory round trip per 1,024 pairs twice over (60 us
-// at 4,096 tokens). Thread e then takes expert e's run: its start and first tile are prefix sums
-// over the experts (a block scan).
-extern "C" __global__ void moe_group(const int* ids, int pairs, int tokens, int experts, int with_shared,
-                                     int slots, int* perm, int* tiles, int* ntiles) {
+// Block blockIdx.x's pairs [MOE_GROUP_PAIRS * blockIdx.x, +MOE_GROUP_PAIRS): rank[p] = how many
+// of the block's pairs of expert ids[p] came before it (in the order of shared-memory atomics),
+// counts[blockIdx.x * groups + e] = the block's pairs of expert e, for every group e. Expert
+// ids must lie in [0, experts); groups (experts, and the shared expert) <= MAX_GROUPS. Launch
+// with MOE_GROUP_PAIRS threads and ceil(pairs / MOE_GROUP_PAIRS) blocks.
+extern "C" __global__ void __launch_bounds__(MOE_GROUP_PAIRS)
+    moe_group_count(const int* ids, int pairs, int groups, int* rank, int* counts) {
     grid_dep();
-    __shared__ int count[MAX_GROUPS], start[MAX_GROUPS], filled[MAX_GROUPS];
-    const int tid = threadIdx.x;
-    const int groups = experts + (with_shared ? 1 : 0);
-    for (int e = tid; e < groups; e += blockDim.x) {
-        count[e] = 0;
-        filled[e] = 0;
-    }
+    __shared__ int count[MAX_GROUPS];
+    const int tid = threadIdx.x, p = blockIdx.x * MOE_GROUP_PAIRS + tid;
+    for (int e = tid; e < groups; e += blockDim.x) count[e] = 0;
     __syncthreads();
-    // This thread's pairs tid + i * blockDim.x of each batch, their ids loaded at once.
-    auto batches = [&](auto&& use) {
-        for (int p0 = 0; p0 < pairs; p0 += MOE_GROUP_BATCH * (int)blockDim.x) {
-            int e[MOE_GROUP_BATCH];
+    if (p < pairs) rank[p] = atomicAdd(&count[ids[p]], 1);
+    __syncthreads();
+    for (int e = tid; e < groups; e += blockDim.x) counts[blockIdx.x * groups + e] = count[e];
+}
+
+// One block of 1,024 threads, thread e for group e: counts[b * groups + e] becomes count block
+// b's first index within expert e's run; start[e] = the run's first index into perm (the shared
+// expert's run, `tokens` pairs, last); the runs' tiles as above.
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_group_scan(int* counts, int count_blocks, int tokens, int experts, int with_shared, int slots, int* start,
+                   int* tiles, int* ntiles) {
+    grid_dep();
+    const int tid = threadIdx.x, groups = experts + (with_shared ? 1 : 0);
+    int c = 0;
+    if (tid < experts) {
+        // Each batch's counts loaded before any offset is stored (the stores could alias later
+        // loads, so the compiler would not move those ahead of them).
+        for (int b0 = 0; b0 < count_blocks; b0 += MOE_SCAN_BATCH) {
+            int n[MOE_SCAN_BATCH];
 #pragma unroll
-            for (int i = 0; i < MOE_GROUP_BATCH; ++i) {
-                const int p = p0 + i * (int)blockDim.x + tid;
-                e[i] = p < pairs ? ids[p] : -1;
-            }
+            for (int i = 0; i < MOE_SCAN_BATCH; ++i)
+                n[i] = b0 + i < count_blocks ? counts[(size_t)(b0 + i) * groups + tid] : 0;
 #pragma unroll
-            for (int i = 0; i < MOE_GROUP_BATCH; ++i)
-                if (e[i] >= 0) use(p0 + i * (int)blockDim.x + tid, e[i]);
+            for (int i = 0; i < MOE_SCAN_BATCH; ++i)
+                if (b0 + i < count_blocks) {
+                    counts[(size_t)(b0 + i) * groups + tid] = c;
+                    c += n[i];
+                }
         }
-    };
-    batches([&](int, int e) { atomicAdd(&count[e], 1); });
-    __syncthreads();
-    const int c = tid < experts ? count[tid] : tid == experts && with_shared ? tokens : 0;
+    } else if (tid == experts && with_shared) {
+        c = tokens;
+    }
     int first = c, first_tile = (c + slots - 1) / slots, all_pairs, all_tiles;
     block_scan2(first, first_tile, all_pairs, all_tiles);
     if (tid < groups) {
@@ -818,10 +839,21 @@ extern "C" __global__ void moe_group(const int* ids, int pairs, int tokens, int 
         }
     }
     if (tid == 0) ntiles[0] = all_tiles;
-    __syncthreads();
-    batches([&](int p, int e) { perm[start[e] + atomicAdd(&filled[e], 1)] = p; });
-    if (with_shared)
-        for (int t = tid; t < tokens; t += blockDim.x) perm[start[experts] + t] = pairs + t;
+}
+
+// perm[start[e] + counts[b * groups + e] + rank[p]] = p for pair p of count block b and expert
+// e = ids[p]; with a shared expert, perm[start[experts] + t] = pairs + t. A thread a pair (pairs
+// + tokens of them with the shared expert); launch with 256 threads.
+extern "C" __global__ void moe_group_scatter(const int* ids, const int* rank, const int* counts, const int* start,
+                                             int pairs, int tokens, int experts, int with_shared, int* perm) {
+    grid_dep();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, groups = experts + (with_shared ? 1 : 0);
+    if (i < pairs) {
+        const int e = ids[i];
+        perm[start[e] + counts[(size_t)(i / MOE_GROUP_PAIRS) * groups + e] + rank[i]] = i;
+    } else if (with_shared && i < pairs + tokens) {
+        perm[start[experts] + (i - pairs)] = i;
+    }
 }
 
 // Expert e's matrix within a stack of `rows` x `cols` matrices (the shared expert's own when
@@ -831,7 +863,7 @@ __device__ __forceinline__ QMat expert_mat(QMat stack, QMat shared, int e, int e
     return e == experts ? shared : expert_slice<BITS>(stack, (size_t)e, rows, cols);
 }
 
-// The grouped expert products' tiles: tile i is expert tile i % ntiles[0] (tiles[], moe_group)
+// The grouped expert products' tiles: tile i is expert tile i % ntiles[0] (tiles[], moe_group_scan)
 // against row tile i / ntiles[0] of the expert's matrix (or matrices). A tile's slot s is pair
 // perm[first + s] of the expert's run, while s < its pairs.
 template <int BM>
@@ -907,7 +939,7 @@ struct DownTiles : ExpertTiles<BM> {
 
 // q4_moe_gate_up_mma, q4_moe_down_mma, ... and the _wgmma and _wgmma_n16 pairs (sm_90a).
 // GateUpTiles over 2 * ceil(stride / tile rows) row tiles and DownTiles over ceil(hidden / tile
-// rows). Launch with the core's threads and a block per tile of the most tiles moe_group can
+// rows). Launch with the core's threads and a block per tile of the most tiles moe_group_scan can
 // make (wgmma: or fewer, see wg_tiles); blocks past the tiles it made return.
 #define MOE_MMA_KERNELS(BITS, NAME, WG, N)                                                                          \
     extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N) q##BITS##_moe_gate_up_##NAME(                               \
