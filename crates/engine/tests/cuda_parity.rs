@@ -1615,7 +1615,7 @@ fn splits_written_with_the_products_inputs_match_the_split_pass() {
         .upload_vector(&randn(&mut rng, dim, 1.0))
         .expect("gains");
     // 40 tokens: the norms' block-a-row kernels (and 160 heads of the gated norm, a block each);
-    // 300: 1,200 heads, a warp each. 7: too few rows for the tensor cores, so no split.
+    // 300: 1,200 heads, two rows a warp. 7: too few rows for the tensor cores, so no split.
     for t in [40, 300, 7] {
         let split = t >= 8;
         let x = randn(&mut rng, t * cols, 2.0);
@@ -1629,6 +1629,17 @@ fn splits_written_with_the_products_inputs_match_the_split_pass() {
             .gated_rms_norm(&xt, &z, &head_gains, dim, eps)
             .expect("gated_rms_norm");
         products_as_from_the_split_pass(&what("gated_rms_norm"), &gpu, &gated, &w, split);
+        // Heads as wide as the row: at 300 tokens two 8-column blocks a lane (`rms_norm_rows8`).
+        let wide = gpu
+            .gated_rms_norm(&xt, &z, &gains, cols, eps)
+            .expect("gated_rms_norm");
+        products_as_from_the_split_pass(
+            &what("gated_rms_norm, 512-wide heads"),
+            &gpu,
+            &wide,
+            &w,
+            split,
+        );
         let mut resid = up(&gpu, &x, t, cols);
         let added = gpu
             .add_rms_norm(&mut resid, &y, &gains, eps)
