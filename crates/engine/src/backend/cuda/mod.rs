@@ -2009,14 +2009,15 @@ impl CudaBackend {
         }
     }
 
-    /// Room for the split of a `rows x cols` output that the op writing it fills as well (see
-    /// `CudaTensor::split`), where tensor-core products would read it: many rows, and columns
-    /// that make whole 64-column groups. None otherwise.
-    fn split_out(&self, rows: usize, cols: usize) -> Result<Option<Arc<Split>>> {
-        if rows < MMA_MIN_TOKENS || !cols.is_multiple_of(64) {
-            return Ok(None);
+    /// A `rows x cols` output that tensor-core products read next, with room for the split that
+    /// the op writing it fills as well (see `CudaTensor::split`) where the products would take
+    /// one: many rows, and columns that make whole 64-column groups.
+    fn tensor_for_products(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        let mut out = self.tensor(rows, cols)?;
+        if rows >= MMA_MIN_TOKENS && cols.is_multiple_of(64) {
+            out.split = Some(Arc::new(self.alloc_split(rows, cols)?));
         }
-        self.alloc_split(rows, cols).map(|s| Some(Arc::new(s)))
+        Ok(out)
     }
 
     fn alloc_split(&self, rows: usize, cols: usize) -> Result<Split> {
@@ -2912,13 +2913,14 @@ impl CudaBackend {
                 w.len()
             )));
         }
-        let mut out = self.tensor(x.rows, x.cols)?;
+        // The kernels split each of their rows: whole 64-column groups of them.
+        let out = if for_products && cols.is_multiple_of(64) {
+            self.tensor_for_products(x.rows, x.cols)?
+        } else {
+            self.tensor(x.rows, x.cols)?
+        };
         let groups = x.rows * x.cols / cols;
         let zp = z.map(|z| self.ptr(&z.buf)).unwrap_or(0);
-        // The kernels split each of their rows: whole 64-column groups of them.
-        if for_products && cols.is_multiple_of(64) {
-            out.split = self.split_out(x.rows, x.cols)?;
-        }
         self.launch_norm_rows(
             [self.ptr(&x.buf), self.ptr(w), zp, self.ptr(&out.buf)],
             SplitArg::of(out.split.as_deref()),
@@ -2943,26 +2945,25 @@ impl CudaBackend {
         // rows, and the few of one decode token (where the block kernel is faster: 1.30 against
         // 2.04 us for 32 rows of 128), a block each.
         let blocks8 = cols / 8;
-        if groups >= SHORT_NORM_MIN_ROWS
-            && cols <= SHORT_NORM_COLS
-            && cols.is_multiple_of(8)
-            && (32 % blocks8 == 0 || blocks8.is_multiple_of(32))
-        {
-            // 8-column blocks a lane, min(32, cols / 8) lanes a row, whole rows to a warp.
-            let rows_per_block = 256 / blocks8.min(32);
-            launch!(
-                self,
-                self.k.rms_norm_rows8,
-                cfg((groups.div_ceil(rows_per_block) as u32, 1), 256, 0),
-                [x, w, zp, out, split, groups as i32, cols as i32, eps]
-            )?;
-        } else if groups >= SHORT_NORM_MIN_ROWS && cols <= SHORT_NORM_COLS {
-            launch!(
-                self,
-                self.k.rms_norm_warp,
-                cfg((groups.div_ceil(8) as u32, 1), 256, 0),
-                [x, w, zp, out, split, groups as i32, cols as i32, eps]
-            )?;
+        if groups >= SHORT_NORM_MIN_ROWS && cols <= SHORT_NORM_COLS {
+            // 8-column blocks a lane, min(32, cols / 8) lanes a row, where whole rows fill a
+            // warp; else a warp a row.
+            if cols.is_multiple_of(8) && (32 % blocks8 == 0 || blocks8.is_multiple_of(32)) {
+                let rows_per_block = 256 / blocks8.min(32);
+                launch!(
+                    self,
+                    self.k.rms_norm_rows8,
+                    cfg((groups.div_ceil(rows_per_block) as u32, 1), 256, 0),
+                    [x, w, zp, out, split, groups as i32, cols as i32, eps]
+                )?;
+            } else {
+                launch!(
+                    self,
+                    self.k.rms_norm_warp,
+                    cfg((groups.div_ceil(8) as u32, 1), 256, 0),
+                    [x, w, zp, out, split, groups as i32, cols as i32, eps]
+                )?;
+            }
         } else if groups > 0 {
             let threads = if cols >= 1024 { 256 } else { 128 };
             launch!(
@@ -3279,8 +3280,7 @@ impl Backend for CudaBackend {
         plain!(self, y);
         same_shape(x, y, "add_rms_norm")?;
         check_row_norm(x.cols, w)?;
-        let mut out = self.tensor(x.rows, x.cols)?;
-        out.split = self.split_out(x.rows, x.cols)?;
+        let out = self.tensor_for_products(x.rows, x.cols)?;
         if x.rows > 0 {
             let threads = x.cols.div_ceil(NORM_PER_THREAD).next_multiple_of(32);
             launch!(
@@ -3855,10 +3855,9 @@ impl Backend for CudaBackend {
     fn sigmoid_mul(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor> {
         plain!(self, x, gate);
         same_shape(x, gate, "sigmoid_mul")?;
-        let mut out = self.tensor(x.rows, x.cols)?;
-        let n = x.rows * x.cols;
         // Many tokens: the output gate's product input, split here as well.
-        out.split = self.split_out(x.rows, x.cols)?;
+        let out = self.tensor_for_products(x.rows, x.cols)?;
+        let n = x.rows * x.cols;
         if let Some(split) = &out.split {
             launch!(
                 self,
@@ -4018,13 +4017,13 @@ impl Backend for CudaBackend {
                 return Ok(self.lazy_norm(x, parts, w, eps));
             }
         };
-        // The mixing kernel takes an 8-column block a thread, at most 256 threads (kernels/pointwise.cu).
+        // The mixing kernel takes an 8-column block a thread, at most 256 threads
+        // (kernels/pointwise.cu).
         if !x.cols.is_multiple_of(NORM_PER_THREAD) || x.cols > NORM_PER_THREAD * 256 {
             let moe = self.combine(&y, logit, rt, x.rows, x.cols)?;
             return self.add_rms_norm(x, &moe, w, eps);
         }
-        let mut out = self.tensor(x.rows, x.cols)?;
-        out.split = self.split_out(x.rows, x.cols)?;
+        let out = self.tensor_for_products(x.rows, x.cols)?;
         if x.rows > 0 {
             let threads = (x.cols / NORM_PER_THREAD).next_multiple_of(32);
             launch!(

@@ -31,10 +31,11 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
     }
 }
 
-// rms_norm with one warp per row, for short rows (the per-head and the GDN output norms: many
-// rows of 64-256 columns, where a block per row spends its time in the block-wide sum and its
-// barriers). Launch with 256 threads and ceil(rows / 8) blocks. The split (as rms_norm's) is of
-// the rows as stored: heads of one token side by side make the token's row of the split.
+// rms_norm with one warp per row, for many short rows (a block per row spends its time in the
+// block-wide sum and its barriers) whose 8-column blocks do not fill a warp's lanes evenly
+// (rms_norm_rows8 below takes the head dims 64, 128, 256 and 512). Launch with 256 threads and
+// ceil(rows / 8) blocks. The split (as rms_norm's) is of the rows as stored: heads of one token
+// side by side make the token's row of the split.
 extern "C" __global__ void rms_norm_warp(const float* x, const float* w, const float* z, float* out,
                                          SplitOut split, int rows, int cols, float eps) {
     grid_dep();
