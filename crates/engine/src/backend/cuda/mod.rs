@@ -1192,13 +1192,19 @@ const WG_STAGES: usize = 6;
 const PERSISTENT_TILES: usize = 16;
 /// Shared memory of a warpgroup product block (`WgSmem<BITS, N>`, kernels/qmma.cu): six stages
 /// of `slots` slots' hi and lo activations (64 columns each) and 256 rows of codes, the bias
-/// product's three parts of the slots' group sums, then two tiles' slots and the stages'
+/// product's three parts of the slots' group sums, two tiles' f32 group sums of their slots
+/// (`WG_STAGED_SUMS`: 4-bit 64-slot tiles only), then two tiles' slots and the stages'
 /// mbarriers (under 2,048 bytes).
 fn wg_smem_bytes(bits: usize, slots: usize) -> usize {
     let stage = 2 * slots * 64 * 2 + 256 * 2 * bits * 4;
     let sum_parts = 3 * slots * 64 * 2;
+    let sums = if bits == 4 && slots == 64 {
+        2 * slots * 64 * 4
+    } else {
+        2 * 4 * 4
+    };
     // Stages, the parts and the whole are 1,024-byte aligned; 1,024 more to align the start.
-    WG_STAGES * stage.next_multiple_of(1024) + sum_parts.next_multiple_of(1024) + 2048 + 1024
+    WG_STAGES * stage.next_multiple_of(1024) + sum_parts.next_multiple_of(1024) + sums + 2048 + 1024
 }
 
 /// One tile shape of the tensor-core products (kernels/qmma.cu): its kernels by bits and how

@@ -187,6 +187,8 @@ __device__ __forceinline__ void cp_async16_to(u32 dst, const void* src) {
 __device__ __forceinline__ void cp_async4_to(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
+// Asks for the 128-byte line at p to be brought into L2 (no register, nothing waits for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) { cp_async16_to(smem_addr(dst), src); }
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) { cp_async4_to(smem_addr(dst), src); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -263,12 +265,6 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
 
 // ---- tensor cores (sm_80+): bf16 inputs, f32 accumulators.
 
-// Round to nearest even (finite values; infinities and NaN keep their class).
-__device__ __forceinline__ u32 bf16_bits(float f) {
-    const u32 u = __float_as_uint(f);
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-
 // d += a * b over one m16n8k16 tile (bf16 inputs, f32 accumulators).
 __device__ __forceinline__ void mma_bf16(float d[4], const u32 a[4], const u32 b[2]) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -277,11 +273,21 @@ __device__ __forceinline__ void mma_bf16(float d[4], const u32 a[4], const u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// x split in two bf16 parts, hi = bf16(x) and lo = bf16(x - hi): 16 significant bits together.
-// Returns (hi, lo) bits.
-__device__ __forceinline__ void bf16_split(float x, u32& hi, u32& lo) {
-    hi = bf16_bits(x);
-    lo = bf16_bits(x - __uint_as_float(hi << 16));
+// bf16(a) | bf16(b) << 16, rounded to nearest even: one conversion instruction for the pair
+// (rounding by integer arithmetic took four a value).
+__device__ __forceinline__ u32 bf16x2_bits(float a, float b) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(b), "f"(a));
+    return d;
+}
+// The pair's values back in f32.
+__device__ __forceinline__ float bf16x2_lo(u32 p) { return __uint_as_float(p << 16); }
+__device__ __forceinline__ float bf16x2_hi(u32 p) { return __uint_as_float(p & 0xffff0000u); }
+// a and b each split in two bf16 parts, hi = bf16(x) and lo = bf16(x - hi) (16 significant bits
+// together), packed as bf16x2_bits packs them.
+__device__ __forceinline__ void bf16x2_split(float a, float b, u32& hi, u32& lo) {
+    hi = bf16x2_bits(a, b);
+    lo = bf16x2_bits(a - bf16x2_lo(hi), b - bf16x2_hi(hi));
 }
 
 // Eight consecutive floats from (to) 16-byte aligned memory, as two float4.
@@ -332,13 +338,7 @@ struct SplitOut {
 __device__ __forceinline__ void store_split8(const float (&f)[8], SplitOut out, long long i) {
     u32 h[4], l[4];
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        u32 h0, l0, h1, l1;
-        bf16_split(f[p], h0, l0);
-        bf16_split(f[p + 4], h1, l1);
-        h[p] = h0 | (h1 << 16);
-        l[p] = l0 | (l1 << 16);
-    }
+    for (int p = 0; p < 4; ++p) bf16x2_split(f[p], f[p + 4], h[p], l[p]);
     reinterpret_cast<uint4*>(out.hi)[i] = make_uint4(h[0], h[1], h[2], h[3]);
     reinterpret_cast<uint4*>(out.lo)[i] = make_uint4(l[0], l[1], l[2], l[3]);
     float s = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));

@@ -307,6 +307,12 @@ constexpr int WG_STAGES = 6;
 // Blocks per SM: two for 4-bit 16-slot tiles (64 registers a thread: 7,640 vs 7,271 tok/s of
 // prefill at 256 tokens for one block of 128), else one.
 #define WG_BLOCKS_PER_SM(BITS, N) ((BITS) == 4 && (N) == 16 ? 2 : 1)
+// Whether a block stages its tiles' slot group sums (the bias product's B operand) in shared
+// memory with the tiles' first copies, off the tile's end: 4-bit 64-slot tiles. 8-bit ones have
+// no room for them; the 16-slot kernels, capped at 64 registers, spill more with the staging
+// and lost 1% of prefill at 256 tokens with it (docs/performance.md, run50). The others read
+// the sums from L2 at the tile's end.
+#define WG_STAGED_SUMS(BITS, N) ((BITS) == 4 && (N) == 64)
 
 // One group's operands. x parts as wgmma's K-major operand with the 128-byte swizzle: slot s's 64
 // columns are the 128-byte row s, its 16-byte chunk c stored at chunk c ^ (s & 7), so that the
@@ -322,7 +328,7 @@ struct __align__(1024) WgStage {
     static constexpr u32 XH = 0, XL = N * 64 * 2, CODES = 2 * N * 64 * 2;
 };
 
-// With 64 slots 171 KiB (4-bit) or 219 KiB (8-bit); with 16, 81 or 129 KiB; and up to 1,023
+// With 64 slots 203 KiB (4-bit) or 219 KiB (8-bit); with 16, 81 or 129 KiB; and up to 1,023
 // bytes to align it: wg_smem_bytes in mod.rs.
 template <int BITS, int N>
 struct __align__(1024) WgSmem {
@@ -330,6 +336,9 @@ struct __align__(1024) WgSmem {
     // The bias product's B operand (wg_bias_product): the slots' group sums in three bf16 parts,
     // each laid out as an x part. Its own, since the stages already hold the next tile's groups.
     u16 __align__(1024) sum_parts[3 * N * 64];
+    // The slots' f32 sums of groups 0-63, [slot][group], of tile k in sums[k & 1] (copied with
+    // the tile's first group; WG_STAGED_SUMS).
+    float sums[2][WG_STAGED_SUMS(BITS, N) ? N * 64 : 4];
     // The slots of a block's current tile and of the next one (tile k in slots[k & 1]).
     TileSlots slots[2];
     // Per stage: `full` completes a phase when every thread's copies of its group have landed,
@@ -390,8 +399,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 
 // the element offsets of its sources at group 0 (-1: nothing to copy) and where each lands
 // within a stage. Group g's sources lie g groups further on. x of the occupied slots (threads
 // below 8N each take one chunk of slot tid / 8, whose split row is `row`); the codes of the rows
-// in range (what stays stale only feeds outputs that are never written). The group sums wait for
-// the end (wg_bias_product).
+// in range (what stays stale only feeds outputs that are never written); with the tile's first
+// group, the slot's group sums (WG_STAGED_SUMS; wg_bias_product reads them at the tile's end).
 template <int BITS, int N>
 struct WgCopies {
     static constexpr int CH = BITS / 2;
@@ -399,6 +408,7 @@ struct WgCopies {
     u32 x_at = 0;       // its byte offset within a stage's xh (and xl)
     int codes[CH / 2];  // 16-byte chunks of code rows, into w.codes
     u32 codes_at[CH / 2];
+    int sum = -1;       // the slot's sums of groups 8c .. 8c + 7 (c = tid % 8), into sums
 
     __device__ __forceinline__ WgCopies(int row, SplitX x_, int n0, int rows, int cols) {
         const int tid = threadIdx.x;
@@ -406,6 +416,7 @@ struct WgCopies {
             const int s = tid >> 3, c = tid & 7;
             x = row >= 0 ? row * x_.ld + c * 8 : -1;
             x_at = 2 * wg_x_at(s, c);
+            sum = row >= 0 && 8 * c < (cols >> 6) ? row * (x_.ld >> 6) + 8 * c : -1;
         }
         const int words = cols * BITS / 32;
 #pragma unroll
@@ -416,6 +427,18 @@ struct WgCopies {
         }
     }
 };
+
+// Starts the copies of the slot sums that thread tid < 8N holds for the tile (groups 8c .. 8c + 7
+// of slot tid / 8, those below `groups`) to `dst` (its place in the tile's sums).
+__device__ __forceinline__ void wg_load_sums(u32 dst, const float* sum, int groups) {
+    const int c = threadIdx.x & 7;
+    if (8 * c + 8 <= groups && ((size_t)sum & 15) == 0) {
+        cp_async16_to(dst, sum);
+        cp_async16_to(dst + 16, sum + 4);
+    } else {
+        for (int i = 0; i < 8 && 8 * c + i < groups; ++i) cp_async4_to(dst + 4 * i, sum + i);
+    }
+}
 
 // Starts the copies of group g into the stage at shared address `stage`.
 template <int BITS, int N>
@@ -461,31 +484,48 @@ __device__ __forceinline__ void wg_a_frags(u32 (&a)[4][4], const WgStage<BITS, N
 // Its first barrier also makes the slots the loads wrote for the next tile visible (wg_tiles).
 template <int BITS, int N>
 __device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, SplitX x, WgSmem<BITS, N>& sm,
-                                                const TileSlots& sl, u32 at0, u32 at1, int groups, int cq) {
+                                                const TileSlots& sl, int k, u32 at0, u32 at1, int groups, int cq) {
     const int tid = threadIdx.x;
     u16* part = sm.sum_parts;
+    auto pair = [&](u32 at, int g) {
+        const u32 b0 = g < groups ? __ldg(w.biases + at + g) : 0u;
+        const u32 b1 = g + 1 < groups ? __ldg(w.biases + at + g + 1) : 0u;
+        return b0 | (b1 << 16);
+    };
     for (int g0 = 0; g0 < groups; g0 += 64) {
+        // The A fragments first, so that their loads (their lines asked into L2 as the tile's
+        // copies began) overlap the wait at the barrier: bias pairs (g, g + 1) of rows r and
+        // r + 8 at K = 2cq (and + 8) of each 16-group step the round has; past the last, zero.
+        const int steps = min(4, (groups - g0 + 15) / 16);
+        u32 a[4][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            if (kk < steps) {
+                const int g = g0 + 16 * kk + 2 * cq;
+                a[kk][0] = pair(at0, g), a[kk][1] = pair(at1, g), a[kk][2] = pair(at0, g + 8), a[kk][3] = pair(at1, g + 8);
+            }
         // Every warp is past the previous tile's (or round's) bias products before the parts are
         // rewritten.
         __syncthreads();
         if (tid < 8 * N) {
             const int s = tid >> 3, c = tid & 7, row = sl.xrow[s];
+            // The round's sums: the first 64 groups' staged with the tile's copies (landed: every
+            // thread waited for all of the tile's groups), later ones from L2.
+            const bool staged = WG_STAGED_SUMS(BITS, N) && g0 == 0;
+            const float* from = staged ? &sm.sums[k & 1][s * 64] : x.sum + (size_t)max(row, 0) * (x.ld >> 6) + g0;
             u32 p[3][4];  // part q's bf16 pairs (groups 2i and 2i + 1 of the chunk)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                u32 hi[2], mid[2], lo[2];
+                float f[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int g = g0 + 8 * c + 2 * i + e;
-                    const float f = row >= 0 && g < groups ? x.sum[(size_t)row * (x.ld >> 6) + g] : 0.f;
-                    // f = hi + mid + lo exactly: hi rounds f to 8 significant bits, the rest
-                    // (at most 16) is split as the activations are.
-                    hi[e] = bf16_bits(f);
-                    bf16_split(f - __uint_as_float(hi[e] << 16), mid[e], lo[e]);
+                    const int g = 8 * c + 2 * i + e;
+                    f[e] = row >= 0 && g0 + g < groups ? from[g] : 0.f;
                 }
-                p[0][i] = hi[0] | (hi[1] << 16);
-                p[1][i] = mid[0] | (mid[1] << 16);
-                p[2][i] = lo[0] | (lo[1] << 16);
+                // f = hi + mid + lo exactly: hi rounds f to 8 significant bits, the rest (at
+                // most 16) is split as the activations are.
+                p[0][i] = bf16x2_bits(f[0], f[1]);
+                bf16x2_split(f[0] - bf16x2_lo(p[0][i]), f[1] - bf16x2_hi(p[0][i]), p[1][i], p[2][i]);
             }
 #pragma unroll
             for (int q = 0; q < 3; ++q)
@@ -493,20 +533,6 @@ __device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, Spl
         }
         fence_proxy_async();
         __syncthreads();
-        // The A fragments: bias pairs (g, g + 1) of rows r and r + 8 at K = 2cq (and + 8) of each
-        // 16-group step; past the last group, zero.
-        auto pair = [&](u32 at, int g) {
-            const u32 b0 = g < groups ? __ldg(w.biases + at + g) : 0u;
-            const u32 b1 = g + 1 < groups ? __ldg(w.biases + at + g + 1) : 0u;
-            return b0 | (b1 << 16);
-        };
-        const int steps = min(4, (groups - g0 + 15) / 16);
-        u32 a[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const int g = g0 + 16 * kk + 2 * cq;
-            a[kk][0] = pair(at0, g), a[kk][1] = pair(at1, g), a[kk][2] = pair(at0, g + 8), a[kk][3] = pair(at1, g + 8);
-        }
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
@@ -568,7 +594,22 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
         if (tid < 8 * N) jobs.slot(t, tid >> 3, xrow, yrow);
         return WgCopies<BITS, N>(xrow, x, lj.n0, lj.rows, lj.cols);
     };
+    // The scales (its first group's are read as the tile starts) and biases (read at its end) of
+    // the thread's rows of a tile toward L2, as the tile's copies begin.
+    auto rows_to_l2 = [&](const TileJob& tj) {
+        if (cq != 0) return;
+        const int groups = tj.cols >> 6;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = tj.n0 + r + 8 * h;
+            if (row < tj.rows) {
+                prefetch_l2(tj.w.scales + (size_t)row * groups);
+                prefetch_l2(tj.w.biases + (size_t)row * groups);
+            }
+        }
+    };
     WgCopies<BITS, N> copies = slot_rows(lt, lk);
+    rows_to_l2(lj);
     if (tid == 0)
         for (int i = 0; i < S; ++i) {
             mbar_init(&sm.full[i], WG_THREADS);
@@ -578,10 +619,13 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
     // Stages, and their barriers, by shared address.
     constexpr u32 STAGE_BYTES = sizeof(WgStage<BITS, N>);
     const u32 stage0 = smem_addr(&sm.stage[0]), full0 = smem_addr(&sm.full[0]), empty0 = smem_addr(&sm.empty[0]);
+    const u32 sums0 = smem_addr(&sm.sums[0][0]);
+    constexpr u32 SUMS_BYTES = sizeof(sm.sums[0]);
     // Copies the next group: its stage's previous group must be done with first, then this
     // thread arrives on the stage's `full`. Moving on to the block's next tile k + 1 rewrites
-    // slots[(k + 1) & 1], last read by tile k - 1's stores: the wait for group G - S (every tile
-    // has at least S groups) means every warp has finished a group of tile k, so it is past them.
+    // slots[(k + 1) & 1] and sums[(k + 1) & 1], last read by tile k - 1's end: the wait for
+    // group G - S (every tile has at least S groups) means every warp has finished a group of
+    // tile k, so it is past them.
     auto load_next = [&]() {
         if (lt >= count) return;
         if (lrun >= S) mbar_wait(empty0 + 8 * ls, lpar ^ 1);
@@ -591,8 +635,13 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
             lj = jobs.job(lt);
             lg = 0;
             copies = slot_rows(lt, ++lk);
+            rows_to_l2(lj);
         }
         wg_load<BITS, N>(stage0 + ls * STAGE_BYTES, copies, lj.w, x, lg);
+        // The tile's slot sums, with its first group (see above).
+        if (WG_STAGED_SUMS(BITS, N) && lg == 0 && copies.sum >= 0)
+            wg_load_sums(sums0 + (lk & 1) * SUMS_BYTES + 4 * (tid >> 3) * 64 + 32 * (tid & 7), x.sum + copies.sum,
+                         lj.cols >> 6);
         mbar_arrive_copies(full0 + 8 * ls);
         ++lg, ++lrun;
         if (++ls == S) ls = 0, lpar ^= 1;
@@ -647,7 +696,7 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
             if (++cs == S) cs = 0, cpar ^= 1;
         }
         const TileSlots& sl = sm.slots[k & 1];
-        wg_bias_product<BITS, N>(acc, j.w, x, sm, sl, at0, at1, groups, cq);
+        wg_bias_product<BITS, N>(acc, j.w, x, sm, sl, k, at0, at1, groups, cq);
 #pragma unroll
         for (int jj = 0; jj < N / 8; ++jj)
 #pragma unroll
@@ -863,9 +912,13 @@ __device__ __forceinline__ QMat expert_mat(QMat stack, QMat shared, int e, int e
     return e == experts ? shared : expert_slice<BITS>(stack, (size_t)e, rows, cols);
 }
 
-// The grouped expert products' tiles: tile i is expert tile i % ntiles[0] (tiles[], moe_group_scan)
-// against row tile i / ntiles[0] of the expert's matrix (or matrices). A tile's slot s is pair
-// perm[first + s] of the expert's run, while s < its pairs.
+// The grouped expert products' tiles: tile i is row tile i % row_tiles of the expert's matrix (or
+// matrices) against expert tile i / row_tiles (tiles[], moe_group_scan). A tile's slot s is pair
+// perm[first + s] of the expert's run, while s < its pairs. An expert tile's row tiles are
+// neighbours, so the blocks that read the same gathered activations run at about the same time
+// and all but the first find them in L2 (at 4,096 tokens the down product's activations, 75 MB,
+// were read from HBM once per row tile; docs/performance.md, run50); an expert's tiles lie
+// row_tiles apart, close enough that its codes stay in L2 between them.
 template <int BM>
 struct ExpertTiles {
     const int* perm;
@@ -876,11 +929,12 @@ struct ExpertTiles {
                                            int experts_)
         : perm(perm_), tiles(tiles_), ntiles(__ldg(ntiles_)), row_tiles(row_tiles_), experts(experts_) {}
     __device__ __forceinline__ int count() const { return ntiles * row_tiles; }
-    __device__ __forceinline__ int expert(int i) const { return __ldg(tiles + 3 * (i % ntiles)); }
-    __device__ __forceinline__ int row_tile(int i) const { return i / ntiles; }
+    __device__ __forceinline__ int expert_tile(int i) const { return i / row_tiles; }
+    __device__ __forceinline__ int expert(int i) const { return __ldg(tiles + 3 * expert_tile(i)); }
+    __device__ __forceinline__ int row_tile(int i) const { return i % row_tiles; }
     // Pair p of slot s (false: the slot is empty).
     __device__ __forceinline__ bool pair(int i, int s, int& p) const {
-        const int* tile = tiles + 3 * (i % ntiles);
+        const int* tile = tiles + 3 * expert_tile(i);
         const bool used = s < __ldg(tile + 2);
         p = used ? __ldg(perm + __ldg(tile + 1) + s) : 0;
         return used;
