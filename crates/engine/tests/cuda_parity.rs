@@ -581,9 +581,11 @@ fn gated_delta_net_matches_over_chunks() {
         );
         // A prefill chunk, decode steps continuing the same state, then chunks longer than the
         // conv's run per thread. 9, 1 and 4 tokens take the token loop; 130 and 150 the chunked
-        // recurrence (64-token chunks: two whole and a partial one each). Each form continues
-        // from a state the other left.
-        let inputs: Vec<_> = [9, 1, 130, 1, 4, 150]
+        // recurrence (64-token chunks: two whole and a partial one each), with a block a value
+        // head; 1,100 (18 chunks, 288 blocks of head pairs at Hv 32) its prep in value-head
+        // pairs where Hv / Hk is even, on GPUs of up to 288 SMs. Each form continues from a
+        // state the other left.
+        let inputs: Vec<_> = [9, 1, 130, 1, 4, 150, 1, 1100]
             .iter()
             .map(|&t| {
                 (

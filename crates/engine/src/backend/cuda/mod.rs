@@ -440,7 +440,9 @@ struct Kernels {
 
 /// The two kernels of the chunked GDN recurrence (kernels/gdn.cu).
 struct GdnChunked {
-    prep: CudaFunction,
+    /// `gdn_chunk_prep` a value head a block, then in pairs of one key head (Hv / Hk even): the
+    /// key head's norms and products done once for both.
+    prep: [CudaFunction; 2],
     state: CudaFunction,
 }
 
@@ -611,9 +613,13 @@ impl Kernels {
             gdn_chunked: if switched_off("LILY_CUDA_GDN_CHUNKED") {
                 None
             } else {
-                let prep = f("gdn", "gdn_chunk_prep_d128")?;
+                let prep = [
+                    f("gdn", "gdn_chunk_prep_d128")?,
+                    f("gdn", "gdn_chunk_prep_d128_pairs")?,
+                ];
                 let state = f("gdn", "gdn_chunk_state_d128")?;
-                (allow_dynamic_smem(&prep, gdn_prep_smem_bytes(128)).is_ok()
+                (allow_dynamic_smem(&prep[0], gdn_prep_smem_bytes(128, 1)).is_ok()
+                    && allow_dynamic_smem(&prep[1], gdn_prep_smem_bytes(128, 2)).is_ok()
                     && allow_dynamic_smem(&state, gdn_state_smem_bytes(128)).is_ok())
                 .then_some(GdnChunked { prep, state })
             },
@@ -679,11 +685,14 @@ const GDN_STATE_ROWS: usize = 32;
 /// the loop is 1-3% faster at 32, 48 and 64 tokens, the chunked form 1% faster at 128.
 const GDN_CHUNKED_MIN_TOKENS: usize = 128;
 
-/// Dynamic shared memory of `gdn_chunk_prep` and `gdn_chunk_state` for key/value dim `d`
+/// Dynamic shared memory of `gdn_chunk_prep` (`heads` value heads a block) and `gdn_chunk_state`
+/// for key/value dim `d`
 /// (`gdn_prep_smem_bytes`, `gdn_state_smem_bytes`, kernels/gdn.cu; the kernels trap if a launch
 /// gives them less).
-fn gdn_prep_smem_bytes(d: usize) -> usize {
-    4 * (2 * GDN_CHUNK * (d + 4) + GDN_CHUNK * (GDN_CHUNK + 4) + 3 * GDN_CHUNK)
+fn gdn_prep_smem_bytes(d: usize, heads: usize) -> usize {
+    4 * ((1 + heads) * GDN_CHUNK * (d + 4)
+        + heads * GDN_CHUNK * (GDN_CHUNK + 4)
+        + 3 * heads * GDN_CHUNK)
 }
 fn gdn_state_smem_bytes(d: usize) -> usize {
     let (c, r) = (GDN_CHUNK, GDN_STATE_ROWS);
@@ -2344,10 +2353,19 @@ impl CudaBackend {
             let u = self.tmp::<f32>(blocks * c * dv)?;
             let p = self.tmp::<f32>(blocks * c * c)?;
             let gch = self.tmp::<f32>(blocks)?;
+            // A block per value head, or per pair of them where pairs share a key head and
+            // the pairs' blocks still fill the SMs: short prompts keep a block a head, twice
+            // the blocks (at 256 tokens the pairs' 64 blocks lost 0.9%, run51).
+            let pairs = (hv / hk) % 2 == 0 && chunks * hv / 2 >= self.sms;
+            let heads = if pairs { 2 } else { 1 };
             launch!(
                 self,
-                gdn_chunk.prep,
-                cfg((chunks as u32, hv as u32), 256, gdn_prep_smem_bytes(dk)),
+                gdn_chunk.prep[heads - 1],
+                cfg(
+                    (chunks as u32, (hv / heads) as u32),
+                    256 * heads as u32,
+                    gdn_prep_smem_bytes(dk, heads)
+                ),
                 [
                     self.ptr(&qkv.buf),
                     self.ptr(&a.buf),

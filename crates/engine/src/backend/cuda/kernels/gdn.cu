@@ -403,14 +403,16 @@ GDN_RECURRENCE(256)
 // of a sum of log-decays taken backwards from the diagonal, so a short span keeps its precision
 // however long the chunk's prefix is (exp of a difference of prefix sums would not).
 constexpr int GDN_C = 64;  // tokens per chunk
-constexpr int GDN_PREP_THREADS = 256;
+constexpr int GDN_PREP_THREADS = 256;  // a value head's threads in gdn_chunk_prep
 constexpr int GDN_STATE_ROWS = 32;  // state rows per gdn_chunk_state block
 constexpr int GDN_STATE_THREADS = 256;
 
-// gdn_chunk_prep's shared memory (floats): k and q (then v) [C][D + 4], G (then A) [C][C + 4],
-// log-decay, beta and gamma [C]. 86 KiB at D = 128, so two blocks fit an SM.
-__host__ __device__ constexpr int gdn_prep_smem_bytes(int d) {
-    return 4 * (2 * GDN_C * (d + 4) + GDN_C * (GDN_C + 4) + 3 * GDN_C);
+// gdn_chunk_prep's shared memory (floats) for `heads` value heads of one key head: k, q (then
+// the first head's v) and the other heads' v [C][D + 4], each head's G (then A) [C][C + 4], and
+// its log-decay, beta and gamma [C]. 86 KiB at D = 128 for one head (two blocks an SM), 138 KiB
+// for two.
+__host__ __device__ constexpr int gdn_prep_smem_bytes(int d, int heads) {
+    return 4 * ((1 + heads) * GDN_C * (d + 4) + heads * GDN_C * (GDN_C + 4) + 3 * heads * GDN_C);
 }
 
 // gdn_chunk_state's shared memory (4-byte words): one stage with the chunk's [W; gamma Q]
@@ -425,60 +427,66 @@ __host__ __device__ constexpr int gdn_state_smem_bytes(int d) {
 
 __device__ __forceinline__ float4 scale4(float4 a, float s) { return make_float4(a.x * s, a.y * s, a.z * s, a.w * s); }
 
-// One block per (chunk blockIdx.x, value head blockIdx.y), 256 threads. Writes, per (chunk,
-// head) at index chunk * Hv + head: wq [2C][D] (W, then gamma Q with q normalised and scaled as
-// in the token loop), kd [C][D] (G[n-1][t] k_t, n the chunk's tokens), u [C][D] (U'), p [C][C]
-// and gch (gamma_{n-1}). Rows past the last token are zero.
-template <int D>
+// One block per (chunk blockIdx.x, HEADS value heads HEADS blockIdx.y + j that share one key
+// head), 256 HEADS threads. The key head's q and k, their norms and the products K K^T and
+// Q K^T are the same for every value head of it, so a block of two heads does them once. Writes,
+// per (chunk, head) at index chunk * Hv + head: wq [2C][D] (W, then gamma Q with q normalised
+// and scaled as in the token loop), kd [C][D] (G[n-1][t] k_t, n the chunk's tokens), u [C][D]
+// (U'), p [C][C] and gch (gamma_{n-1}). Rows past the last token are zero.
+template <int D, int HEADS>
 __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const float* a, const float* b,
                                                     const float* a_log, const float* dt_bias, float* wq, float* kd,
                                                     float* u, float* p, float* gch, int tokens, int hk, int hv,
                                                     float l2_eps) {
-    static_assert(2 * D == GDN_PREP_THREADS, "one thread per column of [K | V]");
-    constexpr int C = GDN_C, KP = D + 4, MP = C + 4, D4 = D / 4;
-    constexpr int PER_THREAD = C * D4 / GDN_PREP_THREADS;  // float4 of each of q, k, v
+    constexpr int THREADS = HEADS * GDN_PREP_THREADS;
+    static_assert(2 * D == GDN_PREP_THREADS, "one thread per column of [K | V] and head");
+    constexpr int C = GDN_C, KP = D + 4, MP = C + 4, D4 = D / 4, NT = 8 / HEADS;
+    constexpr int QK_PER_THREAD = C * D4 / THREADS;  // float4 of each of q and k
+    constexpr int V_PER_THREAD = C * D4 / GDN_PREP_THREADS;  // float4 of the heads' v
     extern __shared__ float4 gdn_smem4[];
     float* ks = reinterpret_cast<float*>(gdn_smem4);
-    float* qs = ks + C * KP;  // q until its products are done, then v
-    float* m = qs + C * KP;
-    float* lg = m + C * MP;
-    float* beta = lg + C;
-    float* gam = beta + C;
-    require_dynamic_smem(gdn_prep_smem_bytes(D));
-    const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float* qs = ks + C * KP;  // q until its products are done, then head 0's v (head j's at qs + j C KP)
+    float* m = qs + HEADS * C * KP;  // head j's G, then A, at m + j C MP
+    float* lg = m + HEADS * C * MP;  // head j's at lg + j C, and the same for beta and gamma
+    float* beta = lg + HEADS * C;
+    float* gam = beta + HEADS * C;
+    require_dynamic_smem(gdn_prep_smem_bytes(D, HEADS));
+    const int ci = blockIdx.x, h0 = blockIdx.y * HEADS, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int t0 = ci * C, n = min(C, tokens - t0);
-    const int kh = h / (hv / hk), kcols = hk * D, cols = 2 * kcols + hv * D;
-    const float qscale = rsqrtf((float)D), neg_a = -expf(a_log[h]), dtb = dt_bias[h];
-    const size_t blk = (size_t)ci * hv + h;
-    wq += blk * 2 * C * D;
-    kd += blk * C * D;
-    u += blk * C * D;
-    p += blk * C * C;
+    const int kh = h0 / (hv / hk), kcols = hk * D, cols = 2 * kcols + hv * D;
+    const float qscale = rsqrtf((float)D);
+    const size_t blk0 = (size_t)ci * hv + h0;  // head h0 + j's outputs at blk0 + j
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto vbuf = [&](int j) { return qs + j * C * KP; };  // head j's v, once q is done
     // q and k into shared memory; v waits in registers until q's products are done.
-    float4 v4[PER_THREAD];
 #pragma unroll
-    for (int r = 0; r < PER_THREAD; ++r) {
-        const int i = tid + r * GDN_PREP_THREADS, t = i / D4, x = i % D4;
+    for (int r = 0; r < QK_PER_THREAD; ++r) {
+        const int i = tid + r * THREADS, t = i / D4, x = i % D4;
         float4 q4 = zero, k4 = zero;
-        v4[r] = zero;
         if (t < n) {
             const float4* row = reinterpret_cast<const float4*>(qkv + (size_t)(t0 + t) * cols);
             q4 = row[kh * D4 + x];
             k4 = row[(kcols + kh * D) / 4 + x];
-            v4[r] = row[(2 * kcols + h * D) / 4 + x];
         }
         *reinterpret_cast<float4*>(qs + t * KP + 4 * x) = q4;
         *reinterpret_cast<float4*>(ks + t * KP + 4 * x) = k4;
     }
-    if (tid < C) {
-        const bool ok = tid < n;
-        lg[tid] = ok ? neg_a * softplus(a[(size_t)(t0 + tid) * hv + h] + dtb) : 0.f;
-        beta[tid] = ok ? sigmoid(b[(size_t)(t0 + tid) * hv + h]) : 0.f;
+    float4 v4[V_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < V_PER_THREAD; ++r) {
+        const int e = tid + r * THREADS, j = e / (C * D4), t = (e % (C * D4)) / D4, x = e % D4;
+        v4[r] = t < n ? reinterpret_cast<const float4*>(qkv + (size_t)(t0 + t) * cols)[(2 * kcols + (h0 + j) * D) / 4 + x]
+                      : zero;
+    }
+    if (tid < HEADS * C) {
+        const int j = tid / C, t = tid % C, h = h0 + j;
+        const bool ok = t < n;
+        lg[tid] = ok ? -expf(a_log[h]) * softplus(a[(size_t)(t0 + t) * hv + h] + dt_bias[h]) : 0.f;
+        beta[tid] = ok ? sigmoid(b[(size_t)(t0 + t) * hv + h]) : 0.f;
     }
     __syncthreads();
     // q and k l2-normalised (q also scaled by D^-1/2), a warp per token.
-    for (int t = warp; t < n; t += GDN_PREP_THREADS / 32) {
+    for (int t = warp; t < n; t += THREADS / 32) {
         float qq = 0.f, kk = 0.f;
         for (int x = lane; x < D; x += 32) {
             qq = fmaf(qs[t * KP + x], qs[t * KP + x], qq);
@@ -492,32 +500,37 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
             ks[t * KP + x] *= kn;
         }
     }
-    // Row t of G walked backwards from the diagonal; gamma_t is the walk's end.
-    if (tid < C) {
+    // Row t of each head's G walked backwards from the diagonal; gamma_t is the walk's end.
+    if (tid < HEADS * C) {
+        const int j = tid / C, t = tid % C;
+        float* gj = m + j * C * MP;
+        const float* lj = lg + j * C;
         float seg = 0.f;
-        for (int j = tid; j >= 0; --j) {
-            m[tid * MP + j] = expf(seg);
-            seg += lg[j];
+        for (int i = t; i >= 0; --i) {
+            gj[t * MP + i] = expf(seg);
+            seg += lj[i];
         }
         gam[tid] = expf(seg);
     }
     __syncthreads();
-    const float* g_end = m + (n - 1) * MP;  // G[n-1][j]: decay from token j to the chunk's end
-    for (int i = tid; i < C * D4; i += GDN_PREP_THREADS) {
-        const int t = i / D4, x = i % D4;
+    for (int e = tid; e < HEADS * C * D4; e += THREADS) {
+        const int j = e / (C * D4), t = (e % (C * D4)) / D4, x = e % D4;
+        const float* g_end = m + j * C * MP + (n - 1) * MP;  // G[n-1][i]: decay from token i to the chunk's end
         const float4 q4 = *reinterpret_cast<const float4*>(qs + t * KP + 4 * x);
         const float4 k4 = *reinterpret_cast<const float4*>(ks + t * KP + 4 * x);
-        reinterpret_cast<float4*>(wq + (size_t)(C + t) * D)[x] = scale4(q4, gam[t]);
-        reinterpret_cast<float4*>(kd + (size_t)t * D)[x] = scale4(k4, t < n ? g_end[t] : 0.f);
+        reinterpret_cast<float4*>(wq + (blk0 + j) * 2 * C * D + (size_t)(C + t) * D)[x] = scale4(q4, gam[j * C + t]);
+        reinterpret_cast<float4*>(kd + (blk0 + j) * C * D + (size_t)t * D)[x] = scale4(k4, t < n ? g_end[t] : 0.f);
     }
-    // K K^T (warps 0-3) and Q K^T (warps 4-7) on the tensor cores (tf32 split in hi + lo, as in
-    // gdn_chunk_state): warp w takes rows 16 (w % 4) .. + 15 of every column, in acc[nt][0..3] at
-    // rows 16 (w % 4) + g (+8) and columns 8nt + 2c (+1).
-    const int g = lane >> 2, c = lane & 3, i0 = 16 * (warp % 4);
-    const float* xs = warp < 4 ? ks : qs;
-    float acc[8][4];
+    // K K^T (warps 0-3 of each 8) and Q K^T (warps 4-7) on the tensor cores (tf32 split in hi +
+    // lo, as in gdn_chunk_state): warp w takes rows 16 (w % 4) .. + 15 of the NT column tiles
+    // from NT (w / 8), in acc[nt][0..3] at rows 16 (w % 4) + g (+8) and columns 8 (nt0 + nt) +
+    // 2c (+1).
+    const int g = lane >> 2, c = lane & 3, i0 = 16 * (warp % 4), nt0 = NT * (warp / 8);
+    const bool kk_warp = warp % 8 < 4;
+    const float* xs = kk_warp ? ks : qs;
+    float acc[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[nt][r] = 0.f;
 #pragma unroll 2
@@ -525,55 +538,71 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
         u32 ah[4], al[4];
         tf32_split_a(ah, al, xs + i0 * KP + k0, KP);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
             u32 bh[2], bl[2];
-            tf32_split_b_nk(bh, bl, ks + 8 * nt * KP + k0, KP);
+            tf32_split_b_nk(bh, bl, ks + 8 * (nt0 + nt) * KP + k0, KP);
             mma_tf32x3(acc[nt], ah, al, bh, bl);
         }
     }
-    __syncthreads();  // q and G's last row have been read: v replaces q
+    __syncthreads();  // q has been read: the heads' v replace it
 #pragma unroll
-    for (int r = 0; r < PER_THREAD; ++r) {
-        const int i = tid + r * GDN_PREP_THREADS;
-        *reinterpret_cast<float4*>(qs + (i / D4) * KP + 4 * (i % D4)) = v4[r];
+    for (int r = 0; r < V_PER_THREAD; ++r) {
+        const int e = tid + r * THREADS, j = e / (C * D4), t = (e % (C * D4)) / D4, x = e % D4;
+        *reinterpret_cast<float4*>(vbuf(j) + t * KP + 4 * x) = v4[r];
     }
-    float* vs = qs;
-    // P = G (Q K^T) on and below the diagonal, A = beta G (K K^T) below it; A replaces G once
-    // every warp has read its G.
+    // Each head's P = G (Q K^T) on and below the diagonal, A = beta G (K K^T) below it; A
+    // replaces G once every warp has read its G. The last head's A takes acc's place.
+    float av_early[HEADS > 1 ? HEADS - 1 : 1][NT][4];
+    auto av = [&](int j, int nt, int r) -> float& { return j == HEADS - 1 ? acc[nt][r] : av_early[j][nt][r]; };
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int j = 0; j < HEADS; ++j) {
+        const float* gj = m + j * C * MP;
+        const float* bj = beta + j * C;
+        float* pj = p + (blk0 + j) * C * C;
 #pragma unroll
-        for (int r = 0; r < 4; r += 2) {
-            const int i = i0 + g + 8 * (r >> 1), j = 8 * nt + 2 * c;
-            const float g0 = m[i * MP + j], g1 = m[i * MP + j + 1];
-            if (warp < 4) {
-                acc[nt][r] = j < i ? beta[i] * g0 * acc[nt][r] : 0.f;
-                acc[nt][r + 1] = j + 1 < i ? beta[i] * g1 * acc[nt][r + 1] : 0.f;
-            } else {
-                *reinterpret_cast<float2*>(p + i * C + j) =
-                    make_float2(j <= i ? acc[nt][r] * g0 : 0.f, j + 1 <= i ? acc[nt][r + 1] * g1 : 0.f);
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; r += 2) {
+                const int i = i0 + g + 8 * (r >> 1), col = 8 * (nt0 + nt) + 2 * c;
+                const float g0 = gj[i * MP + col], g1 = gj[i * MP + col + 1];
+                if (kk_warp) {
+                    av(j, nt, r) = col < i ? bj[i] * g0 * acc[nt][r] : 0.f;
+                    av(j, nt, r + 1) = col + 1 < i ? bj[i] * g1 * acc[nt][r + 1] : 0.f;
+                } else {
+                    *reinterpret_cast<float2*>(pj + i * C + col) = make_float2(
+                        col <= i ? acc[nt][r] * g0 : 0.f, col + 1 <= i ? acc[nt][r + 1] * g1 : 0.f);
+                }
             }
-        }
-    __syncthreads();
-    if (warp < 4)
+    }
+    __syncthreads();  // every G has been read: A replaces G
+    if (kk_warp)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int j = 0; j < HEADS; ++j)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) m[(i0 + g + 8 * (r >> 1)) * MP + 8 * nt + 2 * c + (r & 1)] = acc[nt][r];
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    m[j * C * MP + (i0 + g + 8 * (r >> 1)) * MP + 8 * (nt0 + nt) + 2 * c + (r & 1)] = av(j, nt, r);
     __syncthreads();
-    // (I + A) [W | U'] = [beta gamma K | beta V] by forward substitution: thread c owns column
-    // c, held in registers (the loops unroll, so every index is static). Row i needs only its
-    // own column's earlier rows; A is zero on and above the diagonal, so whole float4 of A's
-    // row can be taken, against entries still zero.
+    // (I + A) [W | U'] = [beta gamma K | beta V] by forward substitution: thread c of head j owns
+    // column c, held in registers (the loops unroll, so every index is static), and stores it
+    // row by row (a warp's 32 columns together). Row i needs only its own column's earlier rows;
+    // A is zero on and above the diagonal, so whole float4 of A's row can be taken, against
+    // entries still zero.
     {
-        const bool kcol = tid < D;
-        float* col = (kcol ? ks : vs) + (tid % D);
+        const int j = tid / GDN_PREP_THREADS, cc = tid % GDN_PREP_THREADS;
+        const bool kcol = cc < D;
+        const float* col = kcol ? ks + cc : vbuf(j) + (cc - D);
+        float* out = kcol ? wq + (blk0 + j) * 2 * C * D + cc : u + (blk0 + j) * C * D + (cc - D);
+        const float* mj = m + j * C * MP;
+        const float* bj = beta + j * C;
+        const float* gmj = gam + j * C;
         float r[C];
 #pragma unroll
         for (int i = 0; i < C; ++i) r[i] = 0.f;
 #pragma unroll
         for (int i = 0; i < C; ++i) {
-            const float4* ai = reinterpret_cast<const float4*>(m + i * MP);
+            const float4* ai = reinterpret_cast<const float4*>(mj + i * MP);
             float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
 #pragma unroll
             for (int j4 = 0; j4 < (i + 3) / 4; ++j4) {
@@ -583,19 +612,12 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
                 acc2 = fmaf(a4.z, r[4 * j4 + 2], acc2);
                 acc3 = fmaf(a4.w, r[4 * j4 + 3], acc3);
             }
-            const float x = col[i * KP] * (kcol ? beta[i] * gam[i] : beta[i]);
+            const float x = col[i * KP] * (kcol ? bj[i] * gmj[i] : bj[i]);
             r[i] = x - ((acc0 + acc1) + (acc2 + acc3));
+            out[(size_t)i * D] = r[i];
         }
-#pragma unroll
-        for (int i = 0; i < C; ++i) col[i * KP] = r[i];
     }
-    __syncthreads();
-    for (int i = tid; i < C * D4; i += GDN_PREP_THREADS) {
-        const int t = i / D4, x = i % D4;
-        reinterpret_cast<float4*>(wq + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(ks + t * KP + 4 * x);
-        reinterpret_cast<float4*>(u + (size_t)t * D)[x] = *reinterpret_cast<const float4*>(vs + t * KP + 4 * x);
-    }
-    if (tid == 0) gch[blk] = gam[n - 1];
+    if (tid < HEADS) gch[blk0 + tid] = gam[tid * C + n - 1];
 }
 
 // One block per (value head blockIdx.x, state rows [blockIdx.y * R, +R)), 8 warps, walking the
@@ -790,14 +812,23 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
 }
 
 // Key and value dims 128. gdn_chunk_prep: (ceil(T / C), Hv) blocks of 256 threads with
-// gdn_prep_smem_bytes(128); gdn_chunk_state: (Hv, 128 / R) blocks of 256 threads with
+// gdn_prep_smem_bytes(128, 1); gdn_chunk_state: (Hv, 128 / R) blocks of 256 threads with
 // gdn_state_smem_bytes(128), after it on the same stream.
 extern "C" __global__ void __launch_bounds__(GDN_PREP_THREADS, 2)
     gdn_chunk_prep_d128(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
                         float* wq, float* kd, float* u, float* p, float* gch, int tokens, int hk, int hv,
                         float l2_eps) {
     grid_dep();
-    gdn_chunk_prep_impl<128>(qkv, a, b, a_log, dt_bias, wq, kd, u, p, gch, tokens, hk, hv, l2_eps);
+    gdn_chunk_prep_impl<128, 1>(qkv, a, b, a_log, dt_bias, wq, kd, u, p, gch, tokens, hk, hv, l2_eps);
+}
+// Value heads in pairs of one key head (Hv / Hk even): (ceil(T / C), Hv / 2) blocks of 512
+// threads with gdn_prep_smem_bytes(128, 2).
+extern "C" __global__ void __launch_bounds__(2 * GDN_PREP_THREADS, 1)
+    gdn_chunk_prep_d128_pairs(const float* qkv, const float* a, const float* b, const float* a_log,
+                              const float* dt_bias, float* wq, float* kd, float* u, float* p, float* gch, int tokens,
+                              int hk, int hv, float l2_eps) {
+    grid_dep();
+    gdn_chunk_prep_impl<128, 2>(qkv, a, b, a_log, dt_bias, wq, kd, u, p, gch, tokens, hk, hv, l2_eps);
 }
 extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS)
     gdn_chunk_state_d128(const float* wq, const float* kd, const float* u, const float* p, const float* gch,
