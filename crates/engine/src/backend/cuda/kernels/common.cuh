@@ -95,12 +95,27 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
-// One token's MoE output at one column: its top_k pairs' values load(j) mixed by weights[j] in the
-// order j = 0..top_k-1 (as moe_combine and the CPU reference add them), then, with a shared expert
-// (shared_logit not null), load_shared() gated by sigmoid(*shared_logit) added. The first
-// MIX_LOADS values and the shared one are loaded before any is summed. moe_down_mix (quant.cu)
-// mixes with it; moe_combine_add_rms_norm (pointwise.cu) does the same arithmetic on eight
-// columns at once.
+// The MoE mix's arithmetic at one column: the top_k pairs' values, the first L already loaded
+// (loaded(j)) and later ones by load(j), added by weights[j] in the order j = 0..top_k-1 (as
+// moe_combine and the CPU reference add them), then with a shared expert its value s over den
+// (1 + exp(-shared logit): gated by the sigmoid). moe_mix and moe_combine_add_rms_norm
+// (pointwise.cu, eight columns a thread) both mix with it, so their sums are the same.
+template <int L, class Loaded, class Load>
+__device__ __forceinline__ float moe_mix_sum(const float* weights, int top_k, Loaded loaded, Load load, bool shared,
+                                             float s, float den) {
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < L; ++j)
+        if (j < top_k) acc = fmaf(weights[j], loaded(j), acc);
+    for (int j = L; j < top_k; ++j) acc = fmaf(weights[j], load(j), acc);
+    if (shared) acc += s / den;
+    return acc;
+}
+
+// One token's MoE output at one column: its top_k pairs' values load(j) mixed by weights[j], then,
+// with a shared expert (shared_logit not null), load_shared() gated by sigmoid(*shared_logit)
+// added (moe_mix_sum). The first MIX_LOADS values and the shared one are loaded before any is
+// summed. moe_down_mix (quant.cu) mixes with it.
 #define MIX_LOADS 10
 template <class Load, class LoadShared>
 __device__ __forceinline__ float moe_mix(const float* weights, int top_k, const float* shared_logit, Load load,
@@ -109,13 +124,8 @@ __device__ __forceinline__ float moe_mix(const float* weights, int top_k, const 
 #pragma unroll
     for (int j = 0; j < MIX_LOADS; ++j) yv[j] = j < top_k ? load(j) : 0.f;
     const float s = shared_logit ? load_shared() : 0.f;
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < MIX_LOADS; ++j)
-        if (j < top_k) acc = fmaf(weights[j], yv[j], acc);
-    for (int j = MIX_LOADS; j < top_k; ++j) acc = fmaf(weights[j], load(j), acc);
-    if (shared_logit) acc += s / (1.f + expf(-shared_logit[0]));
-    return acc;
+    return moe_mix_sum<MIX_LOADS>(weights, top_k, [&](int j) { return yv[j]; }, load, shared_logit != nullptr, s,
+                                  shared_logit ? 1.f + expf(-shared_logit[0]) : 1.f);
 }
 
 // A float's bits made monotonic: larger (non-NaN) values give larger unsigned integers.

@@ -458,6 +458,11 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     const size_t blk0 = (size_t)ci * hv + h0;  // head h0 + j's outputs at blk0 + j
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
     auto vbuf = [&](int j) { return qs + j * C * KP; };  // head j's v, once q is done
+    // Flat index e over the heads' [HEADS][C][D4] float4 of a [C][D] tile: head, token, float4.
+    struct HeadTokenX {
+        int j, t, x;
+    };
+    auto head_token_x = [](int e) { return HeadTokenX{e / (C * D4), (e % (C * D4)) / D4, e % D4}; };
     // q and k into shared memory; v waits in registers until q's products are done.
 #pragma unroll
     for (int r = 0; r < QK_PER_THREAD; ++r) {
@@ -474,7 +479,7 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     float4 v4[V_PER_THREAD];
 #pragma unroll
     for (int r = 0; r < V_PER_THREAD; ++r) {
-        const int e = tid + r * THREADS, j = e / (C * D4), t = (e % (C * D4)) / D4, x = e % D4;
+        const auto [j, t, x] = head_token_x(tid + r * THREADS);
         v4[r] = t < n ? reinterpret_cast<const float4*>(qkv + (size_t)(t0 + t) * cols)[(2 * kcols + (h0 + j) * D) / 4 + x]
                       : zero;
     }
@@ -514,7 +519,7 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     }
     __syncthreads();
     for (int e = tid; e < HEADS * C * D4; e += THREADS) {
-        const int j = e / (C * D4), t = (e % (C * D4)) / D4, x = e % D4;
+        const auto [j, t, x] = head_token_x(e);
         const float* g_end = m + j * C * MP + (n - 1) * MP;  // G[n-1][i]: decay from token i to the chunk's end
         const float4 q4 = *reinterpret_cast<const float4*>(qs + t * KP + 4 * x);
         const float4 k4 = *reinterpret_cast<const float4*>(ks + t * KP + 4 * x);
@@ -547,7 +552,7 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     __syncthreads();  // q has been read: the heads' v replace it
 #pragma unroll
     for (int r = 0; r < V_PER_THREAD; ++r) {
-        const int e = tid + r * THREADS, j = e / (C * D4), t = (e % (C * D4)) / D4, x = e % D4;
+        const auto [j, t, x] = head_token_x(tid + r * THREADS);
         *reinterpret_cast<float4*>(vbuf(j) + t * KP + 4 * x) = v4[r];
     }
     // Each head's P = G (Q K^T) on and below the diagonal, A = beta G (K K^T) below it; A

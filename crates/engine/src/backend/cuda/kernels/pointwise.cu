@@ -160,7 +160,7 @@ constexpr int COMBINE_LOADS = 8;
 // next norm (add_rms_norm_row8): one block per token t over y [pairs (+ tokens), cols] (pair
 // t * top_k + j is token t's j-th expert; with a shared expert, pair pairs + t is its output,
 // gated by sigmoid(shared_logit[t])). Thread b's k + 1 outputs are loaded at once, two float4
-// each, and mixed column by column as moe_mix (common.cuh) mixes. cols a multiple of 8 (the mod.rs
+// each, and mixed column by column by moe_mix_sum (common.cuh), as moe_mix mixes. cols a multiple of 8 (the mod.rs
 // side checks), at most 8 * 256; launch with cols / 8 threads rounded up to a multiple of 32.
 extern "C" __global__ void __launch_bounds__(256, 2)
     moe_combine_add_rms_norm(const float* y, const float* weights, const float* shared_logit, float* x, const float* w,
@@ -176,15 +176,10 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         if (shared_logit) load8(y + (pairs + t) * cols + 8 * threadIdx.x, s);
         const float den = shared_logit ? 1.f + expf(-shared_logit[t]) : 1.f;
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-            float acc = 0.f;
-#pragma unroll
-            for (int j = 0; j < COMBINE_LOADS; ++j)
-                if (j < top_k) acc = fmaf(wt[j], yv[j][c], acc);
-            for (int j = COMBINE_LOADS; j < top_k; ++j) acc = fmaf(wt[j], yt[(size_t)j * cols + c], acc);
-            if (shared_logit) acc += s[c] / den;
-            d[c] = acc;
-        }
+        for (int c = 0; c < 8; ++c)
+            d[c] = moe_mix_sum<COMBINE_LOADS>(
+                wt, top_k, [&](int j) { return yv[j][c]; }, [&](int j) { return yt[(size_t)j * cols + c]; },
+                shared_logit != nullptr, s[c], den);
     });
 }
 
