@@ -426,6 +426,8 @@ struct Kernels {
     attn_prep: CudaFunction,
     /// attn_prep with a warp a row, head dims 64, 128, 256 (rotary dims a multiple of 64).
     attn_prep_rows: [CudaFunction; 3],
+    /// The rotation angles a token's rows share in `attn_prep_rows`.
+    rope_angles: CudaFunction,
     /// Split-K decode attention for query groups of up to 8 and up to 16 heads, head dims 64,
     /// 128, 256, 512; `None` where the device cannot give a block its shared memory.
     attention_partial: [[Option<CudaFunction>; 4]; 2],
@@ -626,6 +628,7 @@ impl Kernels {
             rope: f("attention", "rope")?,
             kv_write: f("attention", "kv_write")?,
             attn_prep: f("attention", "attn_prep")?,
+            rope_angles: f("attention", "rope_angles")?,
             attn_prep_rows: [
                 f("attention", "attn_prep_rows_d2")?,
                 f("attention", "attn_prep_rows_d4")?,
@@ -3773,41 +3776,97 @@ impl Backend for CudaBackend {
             _ => None,
         }
         .filter(|_| sh.rotary_dim.is_multiple_of(64) && sh.rotary_dim <= d);
-        let (attn_prep, grid) = match attn_prep_rows {
-            Some(f) => (
-                f,
-                cfg((qg.rows as u32, (h + kvh).div_ceil(8) as u32), 256, 0),
-            ),
-            None => (
-                &self.k.attn_prep,
-                cfg((qg.rows as u32, (h + kvh) as u32), 128, 4 * d),
-            ),
+        let t = qg.rows;
+        let args = |angles: u64| {
+            [
+                self.ptr(&qg.buf),
+                self.ptr(&k.buf),
+                self.ptr(&v.buf),
+                self.ptr(q_norm),
+                self.ptr(k_norm),
+                self.ptr(&q.buf),
+                self.ptr(&gate.buf),
+                self.ptr(&c.k),
+                self.ptr(&c.v),
+                angles,
+            ]
         };
-        if qg.rows > 0 {
-            launch!(
-                self,
-                attn_prep,
-                grid,
-                [
-                    self.ptr(&qg.buf),
-                    self.ptr(&k.buf),
-                    self.ptr(&v.buf),
-                    self.ptr(q_norm),
-                    self.ptr(k_norm),
-                    self.ptr(&q.buf),
-                    self.ptr(&gate.buf),
-                    self.ptr(&c.k),
-                    self.ptr(&c.v),
-                    h as i32,
-                    kvh as i32,
-                    d as i32,
-                    sh.rotary_dim as i32,
-                    sh.rope_theta,
-                    eps,
-                    self.pos_ptr(),
-                    pos0 as i32
-                ]
-            )?;
+        if t > 0 {
+            match attn_prep_rows {
+                Some(attn_prep_rows) => {
+                    // (cos, sin) of each token's rotary / 2 dim pairs, shared by its rows.
+                    let half = sh.rotary_dim / 2;
+                    let angles = self.tmp::<f32>((2 * t * half).max(1))?;
+                    if half > 0 {
+                        launch!(
+                            self,
+                            self.k.rope_angles,
+                            elementwise(t * half),
+                            [
+                                angles.ptr,
+                                t as i32,
+                                sh.rotary_dim as i32,
+                                sh.rope_theta,
+                                self.pos_ptr(),
+                                pos0 as i32
+                            ]
+                        )?;
+                    }
+                    let [qg, k, v, qn, kn, q, g, kc, vc, angles] = args(angles.ptr);
+                    launch!(
+                        self,
+                        attn_prep_rows,
+                        cfg((t as u32, (h + kvh).div_ceil(8) as u32), 256, 0),
+                        [
+                            qg,
+                            k,
+                            v,
+                            qn,
+                            kn,
+                            q,
+                            g,
+                            kc,
+                            vc,
+                            h as i32,
+                            kvh as i32,
+                            d as i32,
+                            sh.rotary_dim as i32,
+                            sh.rope_theta,
+                            eps,
+                            self.pos_ptr(),
+                            pos0 as i32,
+                            angles
+                        ]
+                    )?;
+                }
+                None => {
+                    let [qg, k, v, qn, kn, q, g, kc, vc, _] = args(0);
+                    launch!(
+                        self,
+                        self.k.attn_prep,
+                        cfg((t as u32, (h + kvh) as u32), 128, 4 * d),
+                        [
+                            qg,
+                            k,
+                            v,
+                            qn,
+                            kn,
+                            q,
+                            g,
+                            kc,
+                            vc,
+                            h as i32,
+                            kvh as i32,
+                            d as i32,
+                            sh.rotary_dim as i32,
+                            sh.rope_theta,
+                            eps,
+                            self.pos_ptr(),
+                            pos0 as i32
+                        ]
+                    )?;
+                }
+            }
         }
         c.len = end;
         Ok((q, gate))

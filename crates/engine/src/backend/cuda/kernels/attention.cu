@@ -220,17 +220,35 @@ __device__ __forceinline__ void store_kv_row(u16* kc, u16* vc, size_t at, const 
     }
 }
 
+// The rotation angles of the T tokens at positions position(pos_ptr, pos0) + t for
+// attn_prep_rows: angles[t][j] = (cos, sin) for dim pairs j < rotary / 2, by rope_angle (the same
+// floats as lane_rope_angles gives). A token's 18 rows (the 35B's heads) share them instead of
+// each warp working them out in double precision on its row's critical path. With the position
+// given (pos_ptr null) the angles are worked out before the wait for the kernel before, which
+// they need nothing of; the wait stays, so that this kernel's end implies that one's. Launch
+// with 256 threads and ceil(T rotary / 2 / 256) blocks.
+extern "C" __global__ void rope_angles(float2* angles, int tokens, int rotary, double theta, const int* pos_ptr,
+                                       int pos0) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, half = rotary / 2;
+    if (pos_ptr) grid_dep();  // the position may come from a kernel before
+    float c = 0.f, s = 0.f;
+    if (i < tokens * half) rope_angle(position(pos_ptr, pos0) + i / half, i % half, rotary, theta, c, s);
+    if (!pos_ptr) grid_dep();
+    if (i < tokens * half) angles[i] = make_float2(c, s);
+}
+
 // attn_prep with a warp a row, for head dims D = 32 ND up to 256 and rotary dims a multiple of
 // 64: warp w of block (t, y) takes attn_prep's block (t, 8 y + w), normed and rotated by
 // norm_rotate_row, whose sums and rotation are attn_prep's, so the values are the same bit for
-// bit. attn_prep's blocks of 128 threads did 1 KiB each with two barriers: a 4,096-token chunk's
-// took 196 us a layer, 1.5 TB/s (docs/performance.md, run46). attn_prep's arguments (d is D);
-// launch with 256 threads and (T, ceil((heads + kv_heads) / 8)) blocks.
+// bit; the rotation's angles from rope_angles (theta unused). attn_prep's blocks of 128 threads
+// did 1 KiB each with two barriers: a 4,096-token chunk's took 196 us a layer, 1.5 TB/s
+// (docs/performance.md, run46). attn_prep's arguments (d is D) and the angles; launch with 256
+// threads and (T, ceil((heads + kv_heads) / 8)) blocks.
 template <int ND>
 __device__ __forceinline__ void attn_prep_rows(const float* qg, const float* k, const float* v, const float* q_norm,
                                                const float* k_norm, float* q, float* g, u16* kc, u16* vc, int heads,
-                                               int kv_heads, int rotary, double theta, float eps, const int* pos_ptr,
-                                               int pos0) {
+                                               int kv_heads, int rotary, float eps, const int* pos_ptr, int pos0,
+                                               const float2* angles) {
     constexpr int D = 32 * ND;
     grid_dep();
     const int lane = threadIdx.x & 31, t = blockIdx.x;
@@ -245,8 +263,11 @@ __device__ __forceinline__ void attn_prep_rows(const float* qg, const float* k, 
     for (int i = 0; i < ND; ++i) {
         x[i] = src[lane + 32 * i];
         gains[i] = w[lane + 32 * i];
+        if (64 * i < rotary) {
+            const float2 a = angles[(size_t)t * (rotary / 2) + lane + 32 * i];
+            cs[i] = a.x, sn[i] = a.y;
+        }
     }
-    lane_rope_angles<ND>(pos, rotary, theta, cs, sn);
     norm_rotate_row<ND>(x, gains, eps, rotary, cs, sn);
     if (is_q) {
         const size_t at = ((size_t)t * heads + slot) * D;
@@ -264,9 +285,9 @@ __device__ __forceinline__ void attn_prep_rows(const float* qg, const float* k, 
     extern "C" __global__ void __launch_bounds__(256) attn_prep_rows_d##ND(                                        \
         const float* qg, const float* k, const float* v, const float* q_norm, const float* k_norm, float* q, float* g, \
         u16* kc, u16* vc, int heads, int kv_heads, int d, int rotary, double theta, float eps, const int* pos_ptr,  \
-        int pos0) {                                                                                                 \
-        attn_prep_rows<ND>(qg, k, v, q_norm, k_norm, q, g, kc, vc, heads, kv_heads, rotary, theta, eps, pos_ptr,   \
-                           pos0);                                                                                   \
+        int pos0, const float2* angles) {                                                                           \
+        attn_prep_rows<ND>(qg, k, v, q_norm, k_norm, q, g, kc, vc, heads, kv_heads, rotary, eps, pos_ptr, pos0,     \
+                           angles);                                                                                 \
     }
 // Head dims 64, 128 and 256.
 ATTN_PREP_ROWS(2)
