@@ -208,15 +208,15 @@ __device__ __forceinline__ void lane_rope_angles(int pos, int rotary, double the
         if (64 * i < rotary) rope_angle(pos, lane + 32 * i, rotary, theta, cs[i], sn[i]);
 }
 
-// A new key row x (normed and rotated, lane l holding dims l + 32 i) and its value row vr into
-// the f16 caches at `at`.
-template <int ND>
-__device__ __forceinline__ void store_kv_row(u16* kc, u16* vc, size_t at, const float (&x)[ND], const float* vr) {
+// A new key row x (normed and rotated, lane l holding dims l + 32 i) and its value row (the
+// lane's dim l + 32 i from value(i)) into the f16 caches at `at`.
+template <int ND, class Value>
+__device__ __forceinline__ void store_kv_row(u16* kc, u16* vc, size_t at, const float (&x)[ND], Value value) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < ND; ++i) {
         kc[at + lane + 32 * i] = (u16)f16_bits(x[i]);
-        vc[at + lane + 32 * i] = (u16)f16_bits(vr[lane + 32 * i]);
+        vc[at + lane + 32 * i] = (u16)f16_bits(value(i));
     }
 }
 
@@ -258,10 +258,13 @@ __device__ __forceinline__ void attn_prep_rows(const float* qg, const float* k, 
     const int kvh = slot - heads, pos = position(pos_ptr, pos0) + t;
     const float* src = is_q ? qg + ((size_t)t * heads + slot) * 2 * D : k + ((size_t)t * kv_heads + kvh) * D;
     const float* w = is_q ? q_norm : k_norm;
-    float x[ND], gains[ND], cs[ND] = {}, sn[ND] = {};
+    // The row's second half (a query's gate, a key's value) loaded with it: it only passes through.
+    const float* second = is_q ? src + D : v + ((size_t)t * kv_heads + kvh) * D;
+    float x[ND], gains[ND], y[ND], cs[ND] = {}, sn[ND] = {};
 #pragma unroll
     for (int i = 0; i < ND; ++i) {
         x[i] = src[lane + 32 * i];
+        y[i] = second[lane + 32 * i];
         gains[i] = w[lane + 32 * i];
         if (64 * i < rotary) {
             const float2 a = angles[(size_t)t * (rotary / 2) + lane + 32 * i];
@@ -274,10 +277,10 @@ __device__ __forceinline__ void attn_prep_rows(const float* qg, const float* k, 
 #pragma unroll
         for (int i = 0; i < ND; ++i) {
             q[at + lane + 32 * i] = x[i];
-            g[at + lane + 32 * i] = src[D + lane + 32 * i];
+            g[at + lane + 32 * i] = y[i];
         }
     } else {
-        store_kv_row<ND>(kc, vc, (size_t)pos * kv_heads * D + (size_t)kvh * D, x, v + ((size_t)t * kv_heads + kvh) * D);
+        store_kv_row<ND>(kc, vc, (size_t)pos * kv_heads * D + (size_t)kvh * D, x, [&](int i) { return y[i]; });
     }
 }
 
@@ -385,7 +388,9 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
 #pragma unroll
                     for (int i = 0; i < ND; ++i) qs[r * D + lane + 32 * i] = x[i];
                 } else {
-                    store_kv_row<ND>(k, v, (size_t)pos * row + (size_t)kvh * D, x, prep.v + (size_t)kvh * D);
+                    const float* vr = prep.v + (size_t)kvh * D;
+                    store_kv_row<ND>(k, v, (size_t)pos * row + (size_t)kvh * D, x,
+                                     [&](int i) { return vr[lane + 32 * i]; });
                 }
             }
             __syncthreads();  // the queries staged; the new rows in memory before their tile's copies
