@@ -160,8 +160,9 @@ constexpr int COMBINE_LOADS = 8;
 // next norm (add_rms_norm_row8): one block per token t over y [pairs (+ tokens), cols] (pair
 // t * top_k + j is token t's j-th expert; with a shared expert, pair pairs + t is its output,
 // gated by sigmoid(shared_logit[t])). Thread b's k + 1 outputs are loaded at once, two float4
-// each, and mixed column by column by moe_mix_sum (common.cuh), as moe_mix mixes. cols a multiple of 8 (the mod.rs
-// side checks), at most 8 * 256; launch with cols / 8 threads rounded up to a multiple of 32.
+// each, and mixed column by column by moe_mix_sum (common.cuh), as moe_mix mixes. cols a
+// multiple of 8 (the mod.rs side checks), at most 8 * 256; launch with cols / 8 threads rounded
+// up to a multiple of 32.
 extern "C" __global__ void __launch_bounds__(256, 2)
     moe_combine_add_rms_norm(const float* y, const float* weights, const float* shared_logit, float* x, const float* w,
                              float* out, SplitOut split, int cols, int top_k, float eps) {
