@@ -3777,23 +3777,9 @@ impl Backend for CudaBackend {
         }
         .filter(|_| sh.rotary_dim.is_multiple_of(64) && sh.rotary_dim <= d);
         let t = qg.rows;
-        let args = |angles: u64| {
-            [
-                self.ptr(&qg.buf),
-                self.ptr(&k.buf),
-                self.ptr(&v.buf),
-                self.ptr(q_norm),
-                self.ptr(k_norm),
-                self.ptr(&q.buf),
-                self.ptr(&gate.buf),
-                self.ptr(&c.k),
-                self.ptr(&c.v),
-                angles,
-            ]
-        };
         if t > 0 {
-            match attn_prep_rows {
-                Some(attn_prep_rows) => {
+            let (f, label, grid, angles) = match attn_prep_rows {
+                Some(f) => {
                     // (cos, sin) of each token's rotary / 2 dim pairs, shared by its rows.
                     let half = sh.rotary_dim / 2;
                     let angles = self.tmp::<f32>((2 * t * half).max(1))?;
@@ -3812,61 +3798,42 @@ impl Backend for CudaBackend {
                             ]
                         )?;
                     }
-                    let [qg, k, v, qn, kn, q, g, kc, vc, angles] = args(angles.ptr);
-                    launch!(
-                        self,
-                        attn_prep_rows,
-                        cfg((t as u32, (h + kvh).div_ceil(8) as u32), 256, 0),
-                        [
-                            qg,
-                            k,
-                            v,
-                            qn,
-                            kn,
-                            q,
-                            g,
-                            kc,
-                            vc,
-                            h as i32,
-                            kvh as i32,
-                            d as i32,
-                            sh.rotary_dim as i32,
-                            sh.rope_theta,
-                            eps,
-                            self.pos_ptr(),
-                            pos0 as i32,
-                            angles
-                        ]
-                    )?;
+                    let grid = cfg((t as u32, (h + kvh).div_ceil(8) as u32), 256, 0);
+                    (f, "attn_prep_rows", grid, Some(angles))
                 }
                 None => {
-                    let [qg, k, v, qn, kn, q, g, kc, vc, _] = args(0);
-                    launch!(
-                        self,
-                        self.k.attn_prep,
-                        cfg((t as u32, (h + kvh) as u32), 128, 4 * d),
-                        [
-                            qg,
-                            k,
-                            v,
-                            qn,
-                            kn,
-                            q,
-                            g,
-                            kc,
-                            vc,
-                            h as i32,
-                            kvh as i32,
-                            d as i32,
-                            sh.rotary_dim as i32,
-                            sh.rope_theta,
-                            eps,
-                            self.pos_ptr(),
-                            pos0 as i32
-                        ]
-                    )?;
+                    let grid = cfg((t as u32, (h + kvh) as u32), 128, 4 * d);
+                    (&self.k.attn_prep, "attn_prep", grid, None)
                 }
-            }
+            };
+            let angles_ptr = angles.as_ref().map_or(0, |a| a.ptr);
+            let args: [&dyn KernelArg; 18] = [
+                &self.ptr(&qg.buf),
+                &self.ptr(&k.buf),
+                &self.ptr(&v.buf),
+                &self.ptr(q_norm),
+                &self.ptr(k_norm),
+                &self.ptr(&q.buf),
+                &self.ptr(&gate.buf),
+                &self.ptr(&c.k),
+                &self.ptr(&c.v),
+                &(h as i32),
+                &(kvh as i32),
+                &(d as i32),
+                &(sh.rotary_dim as i32),
+                &sh.rope_theta,
+                &eps,
+                &self.pos_ptr(),
+                &(pos0 as i32),
+                &angles_ptr,
+            ];
+            // SAFETY: attn_prep takes (const float* qg, k, v, q_norm, k_norm, float* q, g,
+            // u16* kc, vc, int heads, kv_heads, d, rotary, double theta, float eps,
+            // const int* pos_ptr, int pos0) and d floats of shared memory; attn_prep_rows the
+            // same and const float2* angles, [t][rotary / 2] written just before
+            // (kernels/attention.cu). The caches hold `end` positions (kv_extend).
+            let nargs = if angles.is_some() { 18 } else { 17 };
+            unsafe { self.launch(f, label, grid, &args[..nargs], 0) }?;
         }
         c.len = end;
         Ok((q, gate))
