@@ -201,6 +201,20 @@ __device__ __forceinline__ void cp_async4_to(u32 dst, const void* src) {
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) { cp_async16_to(smem_addr(dst), src); }
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) { cp_async4_to(smem_addr(dst), src); }
+// This thread's share of the copies of a [ROWS][COLS] f32 tile, its rows LD floats apart in
+// global memory, to shared address `dst`, its rows PITCH floats apart (16-byte copies; COLS and
+// PITCH multiples of 4). Each of the THREADS threads takes one column of every (THREADS / (COLS
+// / 4))-th row, so that its addresses after the first are constant offsets.
+template <int ROWS, int COLS, int LD, int PITCH, int THREADS>
+__device__ __forceinline__ void cp_async_tile(u32 dst, const float* src) {
+    constexpr int X = COLS / 4, STEP = THREADS / X;
+    static_assert(THREADS % X == 0 && ROWS % STEP == 0, "whole rounds of whole rows");
+    const int t = threadIdx.x / X, x = threadIdx.x % X;
+    dst += 4 * (t * PITCH + 4 * x);
+    src += (size_t)t * LD + 4 * x;
+#pragma unroll
+    for (int j = 0; j < ROWS / STEP; ++j) cp_async16_to(dst + 4 * j * STEP * PITCH, src + (size_t)j * STEP * LD);
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // All but the N most recently committed groups have landed.
 template <int N>
@@ -374,11 +388,12 @@ __device__ __forceinline__ void split_row(const float* row, SplitOut out, size_t
 
 // Four 8x8 bf16 matrices from shared memory, one per eight lanes' row addresses (lanes 8i..8i+7
 // give the rows of matrix i); lane l receives row l / 4, columns 2 (l % 4) and +1 of each.
-__device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* row) {
+__device__ __forceinline__ void ldsm_x4_at(u32 r[4], u32 row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(row)));
+                 : "r"(row));
 }
+__device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* row) { ldsm_x4_at(r, smem_addr(row)); }
 
 // The same, each matrix transposed on the way.
 __device__ __forceinline__ void ldsm_x4_trans(u32 r[4], const u16* row) {
@@ -510,6 +525,26 @@ __device__ __forceinline__ void tf32_split_b_kn(u32 bh[2], u32 bl[2], const floa
     const float* b = tile + (l & 3) * ld + (l >> 2);
     tf32_split(b[0], bh[0], bl[0]);
     tf32_split(b[4 * ld], bh[1], bl[1]);
+}
+
+// The same fragments by ldmatrix, unsplit. An 8x8 matrix of 16-bit values is an 8x4 one of 32-bit
+// values, of which lane l receives word l % 4 of row l / 4: mma_tf32's layout. Each returns lane
+// l's byte offset in a 32-bit tile of row pitch `ld` words (rows 16-byte aligned), to add to the
+// tile's shared address (smem_addr) for ldsm_x4_at. A (16 rows of m, 8 words of k): matrices
+// (m 0-7, k 0-3), (8-15, 0-3), (0-7, 4-7), (8-15, 4-7), so that r = a[0..3].
+__device__ __forceinline__ u32 ldsm_tf32_a_lane(int ld) {
+    const int l = threadIdx.x & 31;
+    return 4 * (((l & 7) + 8 * ((l >> 3) & 1)) * ld + 4 * (l >> 4));
+}
+// B of two n8 tiles (16 rows of n, each 8 words of k): r[0..1] for n 0-7, r[2..3] for n 8-15.
+__device__ __forceinline__ u32 ldsm_tf32_b2_lane(int ld) {
+    const int l = threadIdx.x & 31;
+    return 4 * (((l & 7) + 8 * (l >> 4)) * ld + 4 * ((l >> 3) & 1));
+}
+// Four words split in tf32 hi and lo (tf32_split).
+__device__ __forceinline__ void tf32_split4(const u32 (&x)[4], u32 (&hi)[4], u32 (&lo)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tf32_split(__uint_as_float(x[i]), hi[i], lo[i]);
 }
 
 // d += a * b to within f32 rounding, from split operands: lo*hi, hi*lo, then hi*hi (the small

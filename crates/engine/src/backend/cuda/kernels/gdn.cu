@@ -417,12 +417,12 @@ __host__ __device__ constexpr int gdn_prep_smem_bytes(int d, int heads) {
 
 // gdn_chunk_state's shared memory (4-byte words): one stage with the chunk's [W; gamma Q]
 // [2C][D + 4] and the block's columns of U' [C][R + 4]; another with P [C][C + 4] and Kd
-// [C][D + 8]; the block's state rows split in tf32 hi and lo [2][R][D + 4], and U split the same
-// way [2][C][R + 8]. Each pitch puts the 32 lanes' fragment reads in 32 different banks. 179 KiB
-// at D = 128.
+// [C][D + 8]; the block's state rows split in tf32 hi and lo [2][R][D + 4], and U^T split the
+// same way [2][R][C + 4]. Each pitch puts the 32 lanes' fragment reads (and ldmatrix's 8 rows) in
+// different banks. 176 KiB at D = 128.
 __host__ __device__ constexpr int gdn_state_smem_bytes(int d) {
     return 4 * (2 * GDN_C * (d + 4) + GDN_C * (GDN_STATE_ROWS + 4) + GDN_C * (GDN_C + 4) + GDN_C * (d + 8) +
-                2 * GDN_STATE_ROWS * (d + 4) + 2 * GDN_C * (GDN_STATE_ROWS + 8));
+                2 * GDN_STATE_ROWS * (d + 4) + 2 * GDN_STATE_ROWS * (GDN_C + 4));
 }
 
 __device__ __forceinline__ float4 scale4(float4 a, float s) { return make_float4(a.x * s, a.y * s, a.z * s, a.w * s); }
@@ -639,9 +639,9 @@ template <int D>
 __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const float* kd, const float* u,
                                                      const float* p, const float* gch, float* state, float* y,
                                                      int tokens, int hv) {
-    constexpr int C = GDN_C, R = GDN_STATE_ROWS, KP = D + 4, UP = R + 4, PP = C + 4, KDP = D + 8, SP = D + 4,
-                  XP = R + 8;
-    static_assert(D == 128 && C == 64 && R == 32 && GDN_STATE_THREADS == 256, "the warp map below");
+    constexpr int C = GDN_C, R = GDN_STATE_ROWS, T = GDN_STATE_THREADS, KP = D + 4, UP = R + 4, PP = C + 4,
+                  KDP = D + 8, SP = D + 4, XP = C + 4;
+    static_assert(D == 128 && C == 64 && R == 32 && T == 256, "the warp map below");
     extern __shared__ float4 gdn_smem4[];
     float* wqs = reinterpret_cast<float*>(gdn_smem4);  // stage 1: [W; gamma Q] [2C][KP]
     float* uin = wqs + 2 * C * KP;                      //          U' columns [C][UP]
@@ -649,13 +649,18 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
     float* kds = ps + C * PP;                           //          Kd [C][KDP]
     u32* sh = reinterpret_cast<u32*>(kds + C * KDP);    // state rows, tf32 hi [R][SP]
     u32* sl = sh + R * SP;                              //                 lo
-    u32* uh = sl + R * SP;                              // U, tf32 hi [C][XP]
-    u32* ul = uh + C * XP;                              //    lo
+    u32* uh = sl + R * SP;                              // U^T, tf32 hi [R][XP]
+    u32* ul = uh + R * XP;                              //      lo
     require_dynamic_smem(gdn_state_smem_bytes(D));
     const int h = blockIdx.x, row0 = blockIdx.y * R, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, c = lane & 3;
     const int chunks = (tokens + C - 1) / C;
     float* st = state + ((size_t)h * D + row0) * D;
+    // Shared addresses of the tiles the products read by ldmatrix, each with this lane's offset.
+    const u32 a_wq = smem_addr(wqs) + ldsm_tf32_a_lane(KP), b_sh = smem_addr(sh) + ldsm_tf32_b2_lane(SP),
+              b_sl = smem_addr(sl) + ldsm_tf32_b2_lane(SP), a_ps = smem_addr(ps) + ldsm_tf32_a_lane(PP),
+              a_uh = smem_addr(uh) + ldsm_tf32_a_lane(XP), a_ul = smem_addr(ul) + ldsm_tf32_a_lane(XP),
+              b_uh = smem_addr(uh) + ldsm_tf32_b2_lane(XP), b_ul = smem_addr(ul) + ldsm_tf32_b2_lane(XP);
     // Warps 0-3: S[16m + g (+8)][32w + 8n + 2c (+1)] in s[m][n][0..3], as mma accumulators.
     float s[2][4][4];
     auto store_state_split = [&]() {
@@ -685,28 +690,14 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
     }
     auto fetch_stage1 = [&](int ci) {
         const size_t blk = (size_t)ci * hv + h;
-        const float* src = wq + blk * 2 * C * D;
-        for (int i = tid; i < 2 * C * D / 4; i += GDN_STATE_THREADS) {
-            const int t = i / (D / 4), x = i % (D / 4);
-            cp_async16(wqs + t * KP + 4 * x, src + (size_t)t * D + 4 * x);
-        }
-        const float* usrc = u + blk * C * D + row0;
-        for (int i = tid; i < C * R / 4; i += GDN_STATE_THREADS) {
-            const int t = i / (R / 4), x = i % (R / 4);
-            cp_async16(uin + t * UP + 4 * x, usrc + (size_t)t * D + 4 * x);
-        }
+        cp_async_tile<2 * C, D, D, KP, T>(smem_addr(wqs), wq + blk * 2 * C * D);
+        cp_async_tile<C, R, D, UP, T>(smem_addr(uin), u + blk * C * D + row0);
         cp_async_commit();
     };
     auto fetch_stage2 = [&](int ci) {
         const size_t blk = (size_t)ci * hv + h;
-        for (int i = tid; i < C * C / 4; i += GDN_STATE_THREADS) {
-            const int t = i / (C / 4), x = i % (C / 4);
-            cp_async16(ps + t * PP + 4 * x, p + blk * C * C + (size_t)t * C + 4 * x);
-        }
-        for (int i = tid; i < C * D / 4; i += GDN_STATE_THREADS) {
-            const int t = i / (D / 4), x = i % (D / 4);
-            cp_async16(kds + t * KDP + 4 * x, kd + blk * C * D + (size_t)t * D + 4 * x);
-        }
+        cp_async_tile<C, C, C, PP, T>(smem_addr(ps), p + blk * C * C);
+        cp_async_tile<C, D, D, KDP, T>(smem_addr(kds), kd + blk * C * D);
         cp_async_commit();
     };
     if (chunks > 0) {
@@ -722,24 +713,31 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
         for (int n = 0; n < 4; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
-#pragma unroll 4
-        for (int k0 = 0; k0 < D; k0 += 8) {
-            u32 ah[4], al[4];
-            tf32_split_a(ah, al, wqs + 16 * warp * KP + k0, KP);
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                const int at = (8 * n + g) * SP + k0 + c;
-                const u32 bh[2] = {sh[at], sh[at + 4]}, bl[2] = {sl[at], sl[at + 4]};
-                mma_tf32x3(acc[n], ah, al, bh, bl);
+        for (int k0 = 0; k0 < D; k0 += 8) {
+            u32 a[4], ah[4], al[4], bh[4][2], bl[4][2];
+            ldsm_x4_at(a, a_wq + 4 * (16 * warp * KP + k0));
+            tf32_split4(a, ah, al);
+#pragma unroll
+            for (int n2 = 0; n2 < 2; ++n2) {
+                u32 x[4];
+                ldsm_x4_at(x, b_sh + 4 * (16 * n2 * SP + k0));
+                bh[2 * n2][0] = x[0], bh[2 * n2][1] = x[1], bh[2 * n2 + 1][0] = x[2], bh[2 * n2 + 1][1] = x[3];
+                ldsm_x4_at(x, b_sl + 4 * (16 * n2 * SP + k0));
+                bl[2 * n2][0] = x[0], bl[2 * n2][1] = x[1], bl[2 * n2 + 1][0] = x[2], bl[2 * n2 + 1][1] = x[3];
             }
+#pragma unroll
+            for (int n = 0; n < 4; ++n) mma_tf32x3(acc[n], ah, al, bh[n], bl[n]);
         }
         if (warp < 4) {
+            // U = U' - W S^T, stored transposed (state row, token): the layout in which both of
+            // its products read it by ldmatrix.
 #pragma unroll
             for (int n = 0; n < 4; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int t = 16 * warp + g + 8 * (i >> 1), r = 8 * n + 2 * c + (i & 1);
-                    tf32_split(uin[t * UP + r] - acc[n][i], uh[t * XP + r], ul[t * XP + r]);
+                    tf32_split(uin[t * UP + r] - acc[n][i], uh[r * XP + t], ul[r * XP + t]);
                 }
         }
         __syncthreads();  // U is complete, and stage 1 has been read
@@ -755,13 +753,16 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
             // the tile's last token.
             const int t0 = 16 * (warp - 4);
             for (int k0 = 0; k0 < t0 + 16; k0 += 8) {
-                u32 ah[4], al[4];
-                tf32_split_a(ah, al, ps + t0 * PP + k0, PP);
+                u32 a[4], ah[4], al[4];
+                ldsm_x4_at(a, a_ps + 4 * (t0 * PP + k0));
+                tf32_split4(a, ah, al);
 #pragma unroll
-                for (int n = 0; n < 4; ++n) {
-                    const int at = (k0 + c) * XP + 8 * n + g;
-                    const u32 bh[2] = {uh[at], uh[at + 4 * XP]}, bl[2] = {ul[at], ul[at + 4 * XP]};
-                    mma_tf32x3(acc[n], ah, al, bh, bl);
+                for (int n2 = 0; n2 < 2; ++n2) {
+                    u32 bh[4], bl[4];
+                    ldsm_x4_at(bh, b_uh + 4 * (16 * n2 * XP + k0));
+                    ldsm_x4_at(bl, b_ul + 4 * (16 * n2 * XP + k0));
+                    mma_tf32x3(acc[2 * n2], ah, al, bh, bl);
+                    mma_tf32x3(acc[2 * n2 + 1], ah, al, bh + 2, bl + 2);
                 }
             }
 #pragma unroll
@@ -774,7 +775,7 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
                             make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
             }
         } else {
-            // S = gamma_end S + U^T Kd: U^T's fragments read from U transposed in place.
+            // S = gamma_end S + U^T Kd.
             const float gend = gch[(size_t)ci * hv + h];
 #pragma unroll
             for (int m = 0; m < 2; ++m)
@@ -782,14 +783,13 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
                 for (int n = 0; n < 4; ++n)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) s[m][n][i] *= gend;
-#pragma unroll 2
+#pragma unroll
             for (int k0 = 0; k0 < C; k0 += 8) {
                 u32 ah[2][4], al[2][4];
 #pragma unroll
                 for (int m = 0; m < 2; ++m) {
-                    const int at = (k0 + c) * XP + 16 * m + g;
-                    ah[m][0] = uh[at], ah[m][1] = uh[at + 8], ah[m][2] = uh[at + 4 * XP], ah[m][3] = uh[at + 4 * XP + 8];
-                    al[m][0] = ul[at], al[m][1] = ul[at + 8], al[m][2] = ul[at + 4 * XP], al[m][3] = ul[at + 4 * XP + 8];
+                    ldsm_x4_at(ah[m], a_uh + 4 * (16 * m * XP + k0));
+                    ldsm_x4_at(al[m], a_ul + 4 * (16 * m * XP + k0));
                 }
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
