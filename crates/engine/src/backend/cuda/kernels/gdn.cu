@@ -707,6 +707,8 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
     for (int ci = 0; ci < chunks; ++ci) {
         cp_async_wait_one();  // stage 1 has landed; stage 2 may still be on its way
         __syncthreads();
+        // gamma_end, for the state's update after this product: its load overlaps the product.
+        const float gend = gch[(size_t)ci * hv + h];
         // [W; gamma Q] S^T: rows 16 * warp + (g, g + 8), state rows 8n + (2c, 2c + 1).
         float acc[4][4];
 #pragma unroll
@@ -776,7 +778,6 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
             }
         } else {
             // S = gamma_end S + U^T Kd.
-            const float gend = gch[(size_t)ci * hv + h];
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
