@@ -402,25 +402,41 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 r[4], const u16* row) {
                  : "r"(smem_addr(row)));
 }
 
+// Which row of a 16-row, two-chunk tile (a chunk: 16 bytes of a row) lane l gives ldmatrix, and
+// which chunk of it, for the two orders of the four matrices: "rows first" (0-7 chunk 0, 8-15
+// chunk 0, 0-7 chunk 1, 8-15 chunk 1) and "chunks first" (0-7 chunk 0, 0-7 chunk 1, 8-15 chunk
+// 0, 8-15 chunk 1). Every ldsm_* fragment below is one of the two.
+struct LdsmLane {
+    int row, chunk;
+};
+__device__ __forceinline__ LdsmLane ldsm_rows_first() {
+    const int l = threadIdx.x & 31;
+    return {(l & 7) + 8 * ((l >> 3) & 1), l >> 4};
+}
+__device__ __forceinline__ LdsmLane ldsm_chunks_first() {
+    const int l = threadIdx.x & 31;
+    return {(l & 7) + 8 * (l >> 4), (l >> 3) & 1};
+}
+
 // The A fragment of an m16n8k16 product (16 rows x 16 columns at `tile`, row pitch `ld`
 // elements): matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
 __device__ __forceinline__ void ldsm_a(u32 a[4], const u16* tile, int ld) {
-    const int l = threadIdx.x & 31;
-    ldsm_x4(a, tile + ((l & 7) + 8 * ((l >> 3) & 1)) * ld + 8 * (l >> 4));
+    const LdsmLane at = ldsm_rows_first();
+    ldsm_x4(a, tile + at.row * ld + 8 * at.chunk);
 }
 
 // The B fragments of two adjacent n8 tiles (16 rows of n with k contiguous, 16 columns of k):
 // b[0..1] for rows 0-7, b[2..3] for rows 8-15.
 __device__ __forceinline__ void ldsm_b2(u32 b[4], const u16* tile, int ld) {
-    const int l = threadIdx.x & 31;
-    ldsm_x4(b, tile + ((l & 7) + 8 * (l >> 4)) * ld + 8 * ((l >> 3) & 1));
+    const LdsmLane at = ldsm_chunks_first();
+    ldsm_x4(b, tile + at.row * ld + 8 * at.chunk);
 }
 
 // The B fragments of two adjacent n8 tiles from a k-major tile (16 rows of k with n contiguous,
 // 16 columns of n), transposed by ldmatrix: b[0..1] for n 0-7, b[2..3] for n 8-15.
 __device__ __forceinline__ void ldsm_bt2(u32 b[4], const u16* tile, int ld) {
-    const int l = threadIdx.x & 31;
-    ldsm_x4_trans(b, tile + ((l & 7) + 8 * ((l >> 3) & 1)) * ld + 8 * (l >> 4));
+    const LdsmLane at = ldsm_rows_first();
+    ldsm_x4_trans(b, tile + at.row * ld + 8 * at.chunk);
 }
 
 // ---- the KV cache's f16 values, and tensor-core products on them (sm_80+, f32 accumulators).
@@ -467,8 +483,8 @@ __device__ __forceinline__ void mma_f16(float d[4], const u32 a[4], const u32 b[
 // its transpose), transposed by ldmatrix: matrices (m 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
 // (8-15, 8-15) as ldsm_a's.
 __device__ __forceinline__ void ldsm_at(u32 a[4], const u16* tile, int ld) {
-    const int l = threadIdx.x & 31;
-    ldsm_x4_trans(a, tile + ((l & 7) + 8 * (l >> 4)) * ld + 8 * ((l >> 3) & 1));
+    const LdsmLane at = ldsm_chunks_first();
+    ldsm_x4_trans(a, tile + at.row * ld + 8 * at.chunk);
 }
 
 // ---- tensor cores on f32 data (sm_80+): tf32 inputs, f32 accumulators.
@@ -531,15 +547,16 @@ __device__ __forceinline__ void tf32_split_b_kn(u32 bh[2], u32 bl[2], const floa
 // values, of which lane l receives word l % 4 of row l / 4: mma_tf32's layout. Each returns lane
 // l's byte offset in a 32-bit tile of row pitch `ld` words (rows 16-byte aligned), to add to the
 // tile's shared address (smem_addr) for ldsm_x4_at. A (16 rows of m, 8 words of k): matrices
-// (m 0-7, k 0-3), (8-15, 0-3), (0-7, 4-7), (8-15, 4-7), so that r = a[0..3].
+// (m 0-7, k 0-3), (8-15, 0-3), (0-7, 4-7), (8-15, 4-7), so that r = a[0..3] (ldsm_a's order).
 __device__ __forceinline__ u32 ldsm_tf32_a_lane(int ld) {
-    const int l = threadIdx.x & 31;
-    return 4 * (((l & 7) + 8 * ((l >> 3) & 1)) * ld + 4 * (l >> 4));
+    const LdsmLane at = ldsm_rows_first();
+    return 4 * (at.row * ld + 4 * at.chunk);
 }
-// B of two n8 tiles (16 rows of n, each 8 words of k): r[0..1] for n 0-7, r[2..3] for n 8-15.
+// B of two n8 tiles (16 rows of n, each 8 words of k): r[0..1] for n 0-7, r[2..3] for n 8-15
+// (ldsm_b2's order).
 __device__ __forceinline__ u32 ldsm_tf32_b2_lane(int ld) {
-    const int l = threadIdx.x & 31;
-    return 4 * (((l & 7) + 8 * (l >> 4)) * ld + 4 * ((l >> 3) & 1));
+    const LdsmLane at = ldsm_chunks_first();
+    return 4 * (at.row * ld + 4 * at.chunk);
 }
 // Four words split in tf32 hi and lo (tf32_split).
 __device__ __forceinline__ void tf32_split4(const u32 (&x)[4], u32 (&hi)[4], u32 (&lo)[4]) {
