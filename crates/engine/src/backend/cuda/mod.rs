@@ -704,7 +704,8 @@ fn gdn_state_smem_bytes(d: usize) -> usize {
         + c * (c + 4)
         + c * (d + 8)
         + 2 * r * (d + 4)
-        + 2 * r * (c + 4))
+        + 2 * r * (c + 4)
+        + 4)
 }
 
 /// Dynamic shared memory of the decode attention kernel for head dim `d` and `ng` tiles of 8

@@ -285,6 +285,52 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
         "r"(parity)
         : "memory");
 }
+
+// ---- Hopper (sm_90a): thread-block clusters and bulk copies.
+
+// This block's rank in its cluster.
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// Every thread of every block of the cluster reaches this point; what each wrote before it is
+// visible to all after it (a __syncthreads of the whole cluster).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The same for a block that has just synchronised itself (__syncthreads), to order its own
+// shared-memory traffic, and needs of the other blocks only that they got here: a relaxed arrival
+// needs no fence at the GPU's scope (which a release arrival compiles to).
+__device__ __forceinline__ void cluster_sync_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+// Makes this thread's mbarrier inits visible to the cluster, so that the other blocks' copies may
+// count on them once a cluster_sync has passed.
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// One arrival on `bar` that also expects `bytes` more to land through it this phase.
+__device__ __forceinline__ void mbar_arrive_expect(u32 bar, u32 bytes) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+// `bytes` (a multiple of 16, both ends 16-byte aligned) from global memory to this block's
+// shared address `dst`, counted on `bar` as they land.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// The same bytes to `dst` in every block of the cluster whose rank is set in `mask`, each counted
+// on the barrier at `bar` in that block (the same offsets in every block).
+__device__ __forceinline__ void bulk_copy_multicast(u32 dst, const void* src, u32 bytes, u32 bar, u16 mask) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
+        "%4;" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar), "h"(mask)
+        : "memory");
+}
 #endif
 
 // ---- tensor cores (sm_80+): bf16 inputs, f32 accumulators.

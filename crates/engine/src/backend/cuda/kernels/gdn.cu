@@ -406,6 +406,15 @@ constexpr int GDN_C = 64;  // tokens per chunk
 constexpr int GDN_PREP_THREADS = 256;  // a value head's threads in gdn_chunk_prep
 constexpr int GDN_STATE_ROWS = 32;  // state rows per gdn_chunk_state block
 constexpr int GDN_STATE_THREADS = 256;
+// On sm_90a gdn_chunk_state runs in clusters of two blocks (a pair of a head's row blocks), which
+// share their stage copies (gdn_chunk_state_impl).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GDN_STATE_PAIRS 1
+#define GDN_STATE_CLUSTER __cluster_dims__(1, 2, 1)
+#else
+#define GDN_STATE_PAIRS 0
+#define GDN_STATE_CLUSTER
+#endif
 
 // gdn_chunk_prep's shared memory (floats) for `heads` value heads of one key head: k, q (then
 // the first head's v) and the other heads' v [C][D + 4], each head's G (then A) [C][C + 4], and
@@ -418,11 +427,11 @@ __host__ __device__ constexpr int gdn_prep_smem_bytes(int d, int heads) {
 // gdn_chunk_state's shared memory (4-byte words): one stage with the chunk's [W; gamma Q]
 // [2C][D + 4] and the block's columns of U' [C][R + 4]; another with P [C][C + 4] and Kd
 // [C][D + 8]; the block's state rows split in tf32 hi and lo [2][R][D + 4], and U^T split the
-// same way [2][R][C + 4]. Each pitch puts the 32 lanes' fragment reads (and ldmatrix's 8 rows) in
-// different banks. 176 KiB at D = 128.
+// same way [2][R][C + 4]; then two mbarriers (GDN_STATE_PAIRS). Each pitch puts the 32 lanes'
+// fragment reads (and ldmatrix's 8 rows) in different banks. 176 KiB at D = 128.
 __host__ __device__ constexpr int gdn_state_smem_bytes(int d) {
     return 4 * (2 * GDN_C * (d + 4) + GDN_C * (GDN_STATE_ROWS + 4) + GDN_C * (GDN_C + 4) + GDN_C * (d + 8) +
-                2 * GDN_STATE_ROWS * (d + 4) + 2 * GDN_STATE_ROWS * (GDN_C + 4));
+                2 * GDN_STATE_ROWS * (d + 4) + 2 * GDN_STATE_ROWS * (GDN_C + 4) + 4);
 }
 
 __device__ __forceinline__ float4 scale4(float4 a, float s) { return make_float4(a.x * s, a.y * s, a.z * s, a.w * s); }
@@ -633,8 +642,8 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
 //   warps 4-7:  O = gamma Q S^T + P U, into y;
 //   warps 0-3, at the same time: S = gamma_end S + U^T Kd, each holding S's rows 0-31 at keys
 //               32w .. 32w + 31 in its accumulators from chunk to chunk.
-// Each chunk's inputs arrive by cp.async in two stages, each copied while the other stage's
-// products run.
+// Each chunk's inputs arrive in two stages, each copied while the other stage's products run: by
+// cp.async, or on sm_90a by bulk copies that a cluster of two blocks shares (GDN_STATE_PAIRS).
 template <int D>
 __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const float* kd, const float* u,
                                                      const float* p, const float* gch, float* state, float* y,
@@ -651,6 +660,7 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
     u32* sl = sh + R * SP;                              //                 lo
     u32* uh = sl + R * SP;                              // U^T, tf32 hi [R][XP]
     u32* ul = uh + R * XP;                              //      lo
+    u64* full = reinterpret_cast<u64*>(ul + R * XP);    // pairs: stage 1's and stage 2's mbarriers
     require_dynamic_smem(gdn_state_smem_bytes(D));
     const int h = blockIdx.x, row0 = blockIdx.y * R, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, c = lane & 3;
@@ -688,6 +698,47 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
                 }
         store_state_split();
     }
+#if GDN_STATE_PAIRS
+    // A cluster is a pair of a head's row blocks, which read the same [W; gamma Q], P and Kd: each
+    // block copies half of their rows into both blocks' shared memory (bulk copies, multicast), and
+    // its own columns of U' into its own. A stage's copies land on its mbarrier (full[0], full[1]),
+    // phase ci for chunk ci; they start only once both blocks are done with the stage's previous
+    // chunk (cluster_sync), since they rewrite the other block's copy too.
+    const u32 rank = cluster_rank(), full1 = smem_addr(&full[0]), full2 = smem_addr(&full[1]);
+    if (tid == 0) {
+        mbar_init(&full[0], 1);
+        mbar_init(&full[1], 1);
+        fence_mbarrier_init();
+    }
+    cluster_sync();
+    auto fetch_stage1 = [&](int ci) {
+        const size_t blk = (size_t)ci * hv + h;
+        if (tid == 0) mbar_arrive_expect(full1, 4 * (2 * C * D + C * R));
+        const int r = 2 * tid + rank;  // of the 2C rows of [W; gamma Q]
+        if (tid < C)
+            bulk_copy_multicast(smem_addr(wqs + r * KP), wq + (blk * 2 * C + r) * D, 4 * D, full1, 0x3);
+        else if (tid < 2 * C)
+            bulk_copy(smem_addr(uin + (tid - C) * UP), u + (blk * C + tid - C) * D + row0, 4 * R, full1);
+    };
+    auto fetch_stage2 = [&](int ci) {
+        const size_t blk = (size_t)ci * hv + h;
+        if (tid == 0) mbar_arrive_expect(full2, 4 * (C * C + C * D));
+        const int r = 2 * (tid % (C / 2)) + rank;  // of P's C rows (tid < C / 2), then Kd's
+        if (tid < C / 2)
+            bulk_copy_multicast(smem_addr(ps + r * PP), p + (blk * C + r) * C, 4 * C, full2, 0x3);
+        else if (tid < C)
+            bulk_copy_multicast(smem_addr(kds + r * KDP), kd + (blk * C + r) * D, 4 * D, full2, 0x3);
+    };
+    auto wait_stage1 = [&](int ci) { mbar_wait(full1, ci & 1); };
+    auto wait_stage2 = [&](int ci) { mbar_wait(full2, ci & 1); };
+    // Both blocks are done with a stage: each block's own reads ordered by its barrier, as a
+    // cp.async pipeline's are, and the other block's by the cluster's.
+    auto stage_read = [&]() {
+        __syncthreads();
+        cluster_sync_relaxed();
+    };
+#else
+    (void)full;
     auto fetch_stage1 = [&](int ci) {
         const size_t blk = (size_t)ci * hv + h;
         cp_async_tile<2 * C, D, D, KP, T>(smem_addr(wqs), wq + blk * 2 * C * D);
@@ -700,13 +751,25 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
         cp_async_tile<C, D, D, KDP, T>(smem_addr(kds), kd + blk * C * D);
         cp_async_commit();
     };
+    // Stage 1 of chunk ci is copied after stage 2 of ci - 1, so at most the later one is pending.
+    auto wait_stage1 = [&](int) {
+        cp_async_wait_one();
+        __syncthreads();
+    };
+    // Stage 2 of chunk ci is followed by stage 1 of ci + 1, where there is one.
+    auto wait_stage2 = [&](int ci) {
+        if (ci + 1 < chunks) cp_async_wait_one();
+        else cp_async_wait_all();
+        __syncthreads();
+    };
+    auto stage_read = [&]() { __syncthreads(); };
+#endif
     if (chunks > 0) {
         fetch_stage1(0);
         fetch_stage2(0);
     }
     for (int ci = 0; ci < chunks; ++ci) {
-        cp_async_wait_one();  // stage 1 has landed; stage 2 may still be on its way
-        __syncthreads();
+        wait_stage1(ci);
         // gamma_end, for the state's update after this product: its load overlaps the product.
         const float gend = gch[(size_t)ci * hv + h];
         // [W; gamma Q] S^T: rows 16 * warp + (g, g + 8), state rows 8n + (2c, 2c + 1).
@@ -742,14 +805,9 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
                     tf32_split(uin[t * UP + r] - acc[n][i], uh[r * XP + t], ul[r * XP + t]);
                 }
         }
-        __syncthreads();  // U is complete, and stage 1 has been read
-        if (ci + 1 < chunks) {
-            fetch_stage1(ci + 1);
-            cp_async_wait_one();
-        } else {
-            cp_async_wait_all();
-        }
-        __syncthreads();  // stage 2 is visible to every thread
+        stage_read();  // U is complete, and stage 1 has been read
+        if (ci + 1 < chunks) fetch_stage1(ci + 1);
+        wait_stage2(ci);
         if (warp >= 4) {
             // O = gamma Q S^T + P U for tokens 16 * (warp - 4) + (g, g + 8); P is zero right of
             // the tile's last token.
@@ -802,9 +860,13 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
             }
             store_state_split();
         }
-        __syncthreads();  // stage 2 and U have been read; the state's split is written
+        stage_read();  // stage 2 and U have been read; the state's split is written
         if (ci + 1 < chunks) fetch_stage2(ci + 1);
     }
+#if GDN_STATE_PAIRS
+    // Neither block of a pair exits while a copy it started may still be landing in the other.
+    cluster_sync_relaxed();
+#endif
     if (warp < 4)
 #pragma unroll
         for (int m = 0; m < 2; ++m)
@@ -836,7 +898,7 @@ extern "C" __global__ void __launch_bounds__(2 * GDN_PREP_THREADS, 1)
     grid_dep();
     gdn_chunk_prep_impl<128, 2>(qkv, a, b, a_log, dt_bias, wq, kd, u, p, gch, tokens, hk, hv, l2_eps);
 }
-extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS)
+extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS) GDN_STATE_CLUSTER
     gdn_chunk_state_d128(const float* wq, const float* kd, const float* u, const float* p, const float* gch,
                          float* state, float* y, int tokens, int hv) {
     grid_dep();
