@@ -499,8 +499,13 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
         beta[tid] = ok ? sigmoid(b[(size_t)(t0 + t) * hv + h]) : 0.f;
     }
     __syncthreads();
-    // q and k l2-normalised (q also scaled by D^-1/2), a warp per token.
-    for (int t = warp; t < n; t += THREADS / 32) {
+    // q and k l2-normalised (q also scaled by D^-1/2), a warp per token; a warp's tokens unrolled
+    // so that their chains of loads, shuffles and roots overlap (rows past the last token are
+    // zero and stay zero).
+    static_assert(C % (THREADS / 32) == 0, "whole tokens a warp");
+#pragma unroll
+    for (int r = 0; r < C / (THREADS / 32); ++r) {
+        const int t = warp + r * (THREADS / 32);
         float qq = 0.f, kk = 0.f;
         for (int x = lane; x < D; x += 32) {
             qq = fmaf(qs[t * KP + x], qs[t * KP + x], qq);
@@ -514,17 +519,28 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
             ks[t * KP + x] *= kn;
         }
     }
-    // Row t of each head's G walked backwards from the diagonal; gamma_t is the walk's end.
-    if (tid < HEADS * C) {
-        const int j = tid / C, t = tid % C;
-        float* gj = m + j * C * MP;
+    // Row t of each head's G walked backwards from the diagonal; gamma_t is the walk's end. Four
+    // threads a row, thread q taking columns [16q, 16q + 16): it first sums the row's log decays
+    // from t down to 16q + 16 (the walk's additions in the walk's order, so the same bits), then
+    // walks its columns with their decays in registers. One thread a row walked 64 columns, each
+    // step's load queued behind the previous step's store of an exp (docs/performance.md, run54).
+    {
+        static_assert(THREADS == 4 * HEADS * C, "four threads a row of G");
+        const int j = tid / (4 * C), t = tid / 4 % C, c0 = 16 * (tid % 4);
+        float* gt = m + j * C * MP + t * MP;
         const float* lj = lg + j * C;
         float seg = 0.f;
-        for (int i = t; i >= 0; --i) {
-            gj[t * MP + i] = expf(seg);
-            seg += lj[i];
-        }
-        gam[tid] = expf(seg);
+        for (int i = t; i >= c0 + 16; --i) seg += lj[i];
+        float l[16];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) l[u] = lj[c0 + u];
+#pragma unroll
+        for (int u = 15; u >= 0; --u)
+            if (c0 + u <= t) {
+                gt[c0 + u] = expf(seg);
+                seg += l[u];
+            }
+        if (c0 == 0) gam[j * C + t] = expf(seg);
     }
     __syncthreads();
     for (int e = tid; e < HEADS * C * D4; e += THREADS) {
