@@ -501,7 +501,7 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     __syncthreads();
     // q and k l2-normalised (q also scaled by D^-1/2), a warp per token; a warp's tokens unrolled
     // so that their chains of loads, shuffles and roots overlap (rows past the last token are
-    // zero and stay zero).
+    // zero and stay zero: l2_eps, GDN_L2_EPS, is positive).
     static_assert(C % (THREADS / 32) == 0, "whole tokens a warp");
 #pragma unroll
     for (int r = 0; r < C / (THREADS / 32); ++r) {
