@@ -693,7 +693,7 @@ const GDN_CHUNKED_MIN_TOKENS: usize = 128;
 /// (`gdn_prep_smem_bytes`, `gdn_state_smem_bytes`, kernels/gdn.cu; the kernels trap if a launch
 /// gives them less).
 fn gdn_prep_smem_bytes(d: usize, heads: usize) -> usize {
-    4 * ((1 + heads) * GDN_CHUNK * (d + 4)
+    4 * ((2 * heads) * GDN_CHUNK * (d + 4)
         + heads * GDN_CHUNK * (GDN_CHUNK + 4)
         + 3 * heads * GDN_CHUNK)
 }

@@ -418,10 +418,10 @@ constexpr int GDN_STATE_THREADS = 256;
 
 // gdn_chunk_prep's shared memory (floats) for `heads` value heads of one key head: k, q (then
 // the first head's v) and the other heads' v [C][D + 4], each head's G (then A) [C][C + 4], and
-// its log-decay, beta and gamma [C]. 86 KiB at D = 128 for one head (two blocks an SM), 138 KiB
-// for two.
+// its log-decay, beta and gamma [C]; then the second head's W [C][D + 4] (the forward
+// substitution's). 86 KiB at D = 128 for one head (two blocks an SM), 168 KiB for two.
 __host__ __device__ constexpr int gdn_prep_smem_bytes(int d, int heads) {
-    return 4 * ((1 + heads) * GDN_C * (d + 4) + heads * GDN_C * (GDN_C + 4) + 3 * heads * GDN_C);
+    return 4 * ((2 * heads) * GDN_C * (d + 4) + heads * GDN_C * (GDN_C + 4) + 3 * heads * GDN_C);
 }
 
 // gdn_chunk_state's shared memory (4-byte words): one stage with the chunk's [W; gamma Q]
@@ -459,6 +459,7 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     float* lg = m + HEADS * C * MP;  // head j's at lg + j C, and the same for beta and gamma
     float* beta = lg + HEADS * C;
     float* gam = beta + HEADS * C;
+    float* xk = gam + HEADS * C;  // heads 1.. W's rows [C][KP] in the forward substitution
     require_dynamic_smem(gdn_prep_smem_bytes(D, HEADS));
     const int ci = blockIdx.x, h0 = blockIdx.y * HEADS, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int t0 = ci * C, n = min(C, tokens - t0);
@@ -614,37 +615,83 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
                 for (int r = 0; r < 4; ++r)
                     m[j * C * MP + (i0 + g + 8 * (r >> 1)) * MP + 8 * (nt0 + nt) + 2 * c + (r & 1)] = av(j, nt, r);
     __syncthreads();
-    // (I + A) [W | U'] = [beta gamma K | beta V] by forward substitution: thread c of head j owns
-    // column c, held in registers (the loops unroll, so every index is static), and stores it
-    // row by row (a warp's 32 columns together). Row i needs only its own column's earlier rows;
-    // A is zero on and above the diagonal, so whole float4 of A's row can be taken, against
-    // entries still zero.
+    // (I + A) [W | U'] = [beta gamma K | beta V] in four blocks of 16 rows. Warp w of head j owns
+    // columns [32w, 32w + 32) of [K | V] throughout, so that its steps need only __syncwarp. For
+    // block b (rows r0 = 16b ..):
+    //   R = the rows' right-hand sides - A[rows, < r0] X[< r0], the product on the tensor cores
+    //       (tf32 split in hi + lo, as above), written where the block's X rows go;
+    //   X = the 16-row solve of (I + A[rows, rows]) X = R, a lane a column, in registers, stored
+    //       back (for the next blocks' products) and to memory.
+    // A is zero on and above the diagonal, so whole float4 of a row can be taken. X's rows are kept
+    // in place of the right-hand sides: U' in the head's v, head 0's W in k (once every head has
+    // read the block's k rows: one barrier a block), the other heads' W in xk.
     {
-        const int j = tid / GDN_PREP_THREADS, cc = tid % GDN_PREP_THREADS;
-        const bool kcol = cc < D;
-        const float* col = kcol ? ks + cc : vbuf(j) + (cc - D);
-        float* out = kcol ? wq + (blk0 + j) * 2 * C * D + cc : u + (blk0 + j) * C * D + (cc - D);
+        const int j = tid / GDN_PREP_THREADS, n0 = 32 * ((tid % GDN_PREP_THREADS) / 32);
+        const bool kcols = n0 < D;
+        const float* rhs = kcols ? ks + n0 : vbuf(j) + (n0 - D);
+        float* xs = kcols ? (j == 0 ? ks : xk + (j - 1) * C * KP) + n0 : vbuf(j) + (n0 - D);
+        float* out = kcols ? wq + (blk0 + j) * 2 * C * D + n0 : u + (blk0 + j) * C * D + (n0 - D);
         const float* mj = m + j * C * MP;
         const float* bj = beta + j * C;
         const float* gmj = gam + j * C;
-        float r[C];
+        auto scale = [&](int i) { return kcols ? bj[i] * gmj[i] : bj[i]; };
 #pragma unroll
-        for (int i = 0; i < C; ++i) r[i] = 0.f;
+        for (int r0 = 0; r0 < C; r0 += 16) {
+            float acc[4][4];
 #pragma unroll
-        for (int i = 0; i < C; ++i) {
-            const float4* ai = reinterpret_cast<const float4*>(mj + i * MP);
-            float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+            for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-            for (int j4 = 0; j4 < (i + 3) / 4; ++j4) {
-                const float4 a4 = ai[j4];
-                acc0 = fmaf(a4.x, r[4 * j4], acc0);
-                acc1 = fmaf(a4.y, r[4 * j4 + 1], acc1);
-                acc2 = fmaf(a4.z, r[4 * j4 + 2], acc2);
-                acc3 = fmaf(a4.w, r[4 * j4 + 3], acc3);
+                for (int r = 0; r < 4; ++r) acc[nt][r] = 0.f;
+            for (int k0 = 0; k0 < r0; k0 += 8) {
+                u32 ah[4], al[4];
+                tf32_split_a(ah, al, mj + r0 * MP + k0, MP);
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    u32 bh[2], bl[2];
+                    tf32_split_b_kn(bh, bl, xs + k0 * KP + 8 * nt, KP);
+                    mma_tf32x3(acc[nt], ah, al, bh, bl);
+                }
             }
-            const float x = col[i * KP] * (kcol ? bj[i] * gmj[i] : bj[i]);
-            r[i] = x - ((acc0 + acc1) + (acc2 + acc3));
-            out[(size_t)i * D] = r[i];
+            float2 rs[4][2];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = r0 + g + 8 * h;
+                    const float2 x = *reinterpret_cast<const float2*>(rhs + i * KP + 8 * nt + 2 * c);
+                    const float si = scale(i);
+                    rs[nt][h] = make_float2(x.x * si - acc[nt][2 * h], x.y * si - acc[nt][2 * h + 1]);
+                }
+            if (HEADS > 1) __syncthreads();  // every head has read the block's k rows
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    *reinterpret_cast<float2*>(xs + (r0 + g + 8 * h) * KP + 8 * nt + 2 * c) = rs[nt][h];
+            __syncwarp();
+            float x[16];
+#pragma unroll
+            for (int r = 0; r < 16; ++r) x[r] = xs[(r0 + r) * KP + lane];
+#pragma unroll
+            for (int r = 1; r < 16; ++r) {
+                const float4* ar = reinterpret_cast<const float4*>(mj + (r0 + r) * MP + r0);
+                float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll
+                for (int q = 0; q < (r + 3) / 4; ++q) {
+                    const float4 a4 = ar[q];
+                    s0 = fmaf(a4.x, x[4 * q], s0);
+                    s1 = fmaf(a4.y, x[4 * q + 1], s1);
+                    s2 = fmaf(a4.z, x[4 * q + 2], s2);
+                    s3 = fmaf(a4.w, x[4 * q + 3], s3);
+                }
+                x[r] -= (s0 + s1) + (s2 + s3);
+            }
+#pragma unroll
+            for (int r = 0; r < 16; ++r) {
+                xs[(r0 + r) * KP + lane] = x[r];
+                out[(size_t)(r0 + r) * D + lane] = x[r];
+            }
+            __syncwarp();
         }
     }
     if (tid < HEADS) gch[blk0 + tid] = gam[tid * C + n - 1];
