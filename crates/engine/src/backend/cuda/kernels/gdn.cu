@@ -627,14 +627,14 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     // read the block's k rows: one barrier a block), the other heads' W in xk.
     {
         const int j = tid / GDN_PREP_THREADS, n0 = 32 * ((tid % GDN_PREP_THREADS) / 32);
-        const bool kcols = n0 < D;
-        const float* rhs = kcols ? ks + n0 : vbuf(j) + (n0 - D);
-        float* xs = kcols ? (j == 0 ? ks : xk + (j - 1) * C * KP) + n0 : vbuf(j) + (n0 - D);
-        float* out = kcols ? wq + (blk0 + j) * 2 * C * D + n0 : u + (blk0 + j) * C * D + (n0 - D);
+        const bool w_cols = n0 < D;  // the warp's columns are W's (K's side), else U's
+        const float* rhs = w_cols ? ks + n0 : vbuf(j) + (n0 - D);
+        float* x_rows = w_cols ? (j == 0 ? ks : xk + (j - 1) * C * KP) + n0 : vbuf(j) + (n0 - D);
+        float* out = w_cols ? wq + (blk0 + j) * 2 * C * D + n0 : u + (blk0 + j) * C * D + (n0 - D);
         const float* mj = m + j * C * MP;
         const float* bj = beta + j * C;
         const float* gmj = gam + j * C;
-        auto scale = [&](int i) { return kcols ? bj[i] * gmj[i] : bj[i]; };
+        auto scale = [&](int i) { return w_cols ? bj[i] * gmj[i] : bj[i]; };
 #pragma unroll
         for (int r0 = 0; r0 < C; r0 += 16) {
             float acc[4][4];
@@ -648,7 +648,7 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     u32 bh[2], bl[2];
-                    tf32_split_b_kn(bh, bl, xs + k0 * KP + 8 * nt, KP);
+                    tf32_split_b_kn(bh, bl, x_rows + k0 * KP + 8 * nt, KP);
                     mma_tf32x3(acc[nt], ah, al, bh, bl);
                 }
             }
@@ -658,20 +658,20 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int i = r0 + g + 8 * h;
-                    const float2 x = *reinterpret_cast<const float2*>(rhs + i * KP + 8 * nt + 2 * c);
+                    const float2 rhs2 = *reinterpret_cast<const float2*>(rhs + i * KP + 8 * nt + 2 * c);
                     const float si = scale(i);
-                    rs[nt][h] = make_float2(x.x * si - acc[nt][2 * h], x.y * si - acc[nt][2 * h + 1]);
+                    rs[nt][h] = make_float2(rhs2.x * si - acc[nt][2 * h], rhs2.y * si - acc[nt][2 * h + 1]);
                 }
             if (HEADS > 1) __syncthreads();  // every head has read the block's k rows
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    *reinterpret_cast<float2*>(xs + (r0 + g + 8 * h) * KP + 8 * nt + 2 * c) = rs[nt][h];
+                    *reinterpret_cast<float2*>(x_rows + (r0 + g + 8 * h) * KP + 8 * nt + 2 * c) = rs[nt][h];
             __syncwarp();
             float x[16];
 #pragma unroll
-            for (int r = 0; r < 16; ++r) x[r] = xs[(r0 + r) * KP + lane];
+            for (int r = 0; r < 16; ++r) x[r] = x_rows[(r0 + r) * KP + lane];
 #pragma unroll
             for (int r = 1; r < 16; ++r) {
                 const float4* ar = reinterpret_cast<const float4*>(mj + (r0 + r) * MP + r0);
@@ -688,7 +688,7 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
             }
 #pragma unroll
             for (int r = 0; r < 16; ++r) {
-                xs[(r0 + r) * KP + lane] = x[r];
+                x_rows[(r0 + r) * KP + lane] = x[r];
                 out[(size_t)(r0 + r) * D + lane] = x[r];
             }
             __syncwarp();
