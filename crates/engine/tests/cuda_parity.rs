@@ -1696,6 +1696,78 @@ fn splits_written_with_the_products_inputs_match_the_split_pass() {
     }
 }
 
+/// Outputs kept as their split alone (`kept_as_split`: many tokens' norms and output gate)
+/// read as values after what they were made of has moved on: the residual added to again, the
+/// gated norm's z and the gate's input changed in place. Each must read as the CPU's values of
+/// the inputs it was made from, and its last row (remade alone) as the last row of the whole.
+#[test]
+fn values_kept_as_a_split_are_remade_from_their_own_inputs() {
+    let Some((cpu, gpu)) =
+        backends_or_skip("values_kept_as_a_split_are_remade_from_their_own_inputs")
+    else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(43);
+    let (t, cols, dim, eps) = (300, 512, 128, 1e-6);
+    let [x, y, y2, z] = [2.0, 2.0, 2.0, 3.0].map(|s| randn(&mut rng, t * cols, s));
+    let gains = randn(&mut rng, cols, 1.0);
+    let head_gains = randn(&mut rng, dim, 1.0);
+    let want = |b: &CpuBackend| {
+        let g = b.upload_vector(&gains).expect("gains");
+        let hg = b.upload_vector(&head_gains).expect("gains");
+        let mut resid = up(b, &x, t, cols);
+        let first = b.add_rms_norm(&mut resid, &up(b, &y, t, cols), &g, eps);
+        let gated = b.gated_rms_norm(&up(b, &x, t, cols), &up(b, &z, t, cols), &hg, dim, eps);
+        let gate = b.sigmoid_mul(&up(b, &x, t, cols), &up(b, &y, t, cols));
+        [first, gated, gate].map(|o| down(b, &o.expect("op")))
+    };
+    let want = want(&cpu);
+    let g = gpu.upload_vector(&gains).expect("gains");
+    let hg = gpu.upload_vector(&head_gains).expect("gains");
+    let mut resid = up(&gpu, &x, t, cols);
+    let first = gpu
+        .add_rms_norm(&mut resid, &up(&gpu, &y, t, cols), &g, eps)
+        .expect("add_rms_norm");
+    // The next residual add, then an add in place, while `first` still remakes from the
+    // residual it made.
+    let second = gpu
+        .add_rms_norm(&mut resid, &up(&gpu, &y2, t, cols), &g, eps)
+        .expect("add_rms_norm");
+    gpu.add_assign(&mut resid, &up(&gpu, &y2, t, cols))
+        .expect("add");
+    let (xt, mut zt, mut yt) = (
+        up(&gpu, &x, t, cols),
+        up(&gpu, &z, t, cols),
+        up(&gpu, &y, t, cols),
+    );
+    let gated = gpu
+        .gated_rms_norm(&xt, &zt, &hg, dim, eps)
+        .expect("gated_rms_norm");
+    let gate = gpu.sigmoid_mul(&xt, &yt).expect("sigmoid_mul");
+    // The caller's tensors that those two remake from, changed in place.
+    gpu.add_assign(&mut zt, &up(&gpu, &y2, t, cols))
+        .expect("add");
+    gpu.add_assign(&mut yt, &up(&gpu, &y2, t, cols))
+        .expect("add");
+    for (what, out, want) in [
+        ("add_rms_norm", &first, &want[0]),
+        ("gated_rms_norm", &gated, &want[1]),
+        ("sigmoid_mul", &gate, &want[2]),
+    ] {
+        assert!(out.kept_as_split(), "{what}: kept as its split");
+        let got = down(&gpu, out);
+        close(&format!("{what} remade, T={t}"), &got, want);
+        let last = down(&gpu, &gpu.last_row(out).expect("last_row"));
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&last),
+            bits(&got[(t - 1) * cols..]),
+            "{what}: the last row remade alone"
+        );
+    }
+    assert!(second.kept_as_split(), "the second add_rms_norm: kept");
+}
+
 /// The MoE block's output, and (with a residual and norm gains) the fused residual add and norm:
 /// [moe, x + moe, rmsnorm(x + moe) * g].
 #[allow(clippy::too_many_arguments)]

@@ -12,6 +12,7 @@ pub mod nvrtc;
 pub mod timeline;
 
 use std::cell::Cell;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -41,6 +42,22 @@ pub struct DevBuf<T> {
 }
 
 impl<T> DevBuf<T> {
+    /// No memory (a null address): the buffer of a tensor whose values are elsewhere (`Lazy`).
+    fn empty() -> DevBuf<T> {
+        DevBuf {
+            ptr: 0,
+            len: 0,
+            _owned: None,
+        }
+    }
+
+    /// Whether another holder shares this pool buffer (a lazily kept tensor's input).
+    fn shared(&self) -> bool {
+        self._owned
+            .as_ref()
+            .is_some_and(|a| Arc::strong_count(a) > 1)
+    }
+
     /// The first `len` elements of a pool buffer, owned.
     fn owned(slice: CudaSlice<T>, len: usize, stream: &CudaStream) -> DevBuf<T> {
         let ptr = slice.device_ptr(stream).0;
@@ -58,7 +75,8 @@ pub struct CudaTensor {
     pub buf: DevBuf<f32>,
     pub rows: usize,
     pub cols: usize,
-    /// Set for one token's row normed lazily: see `LazyNorm` and `LazyGate`.
+    /// Set for one token's row normed lazily (`LazyNorm`, `LazyGate`), and for many tokens'
+    /// rows kept as their split alone (`LazySplit`).
     lazy: Option<Lazy>,
     /// The split of `buf` that the tensor-core products read (kernels/qmma.cu, split_bf16),
     /// where the op that wrote the tensor wrote it too: the norms and the attention's output
@@ -68,11 +86,42 @@ pub struct CudaTensor {
     split: Option<Arc<Split>>,
 }
 
-/// A one-token row that the products reading it finish while staging it.
+/// A one-token row that the products reading it finish while staging it, or many tokens' rows
+/// that only the products' split holds.
 #[derive(Clone)]
 enum Lazy {
     Norm(LazyNorm),
     Gate(LazyGate),
+    Split(LazySplit),
+}
+
+/// Many tokens' rows (a norm's or the attention's output gate's) whose writer stored only the
+/// split that the tensor-core products read (`CudaTensor::split`), not the f32 values: in the
+/// model every reader of these outputs is a product, and the f32 rows were a quarter to a fifth
+/// of those kernels' traffic (prefill +1.1-1.4% at 4,096-16,384 tokens as a bound,
+/// docs/performance.md, run56). A reader that needs the values (`CudaBackend::plain`) gets
+/// them remade, bit for bit, by the same arithmetic from what they were made of, which the
+/// tensor holds. Those inputs must not change in place meanwhile: they are the op's own
+/// temporaries, the residual that the op wrote to a new buffer, or a caller's tensor that the
+/// ops changing tensors in place copy first while it is shared (`CudaBackend::unshare`).
+#[derive(Clone)]
+enum LazySplit {
+    /// rmsnorm(x) * gains by whole rows, as `add_rms_norm_row8` norms them (`rms_norm_row8`).
+    Residual {
+        x: DevBuf<f32>,
+        gains: u64,
+        eps: f32,
+    },
+    /// rmsnorm(x) * gains (* silu(z)) by rows of `cols` (heads), by `rms_norm_rows8`.
+    Norm {
+        x: DevBuf<f32>,
+        gains: u64,
+        z: Option<DevBuf<f32>>,
+        cols: usize,
+        eps: f32,
+    },
+    /// x * sigmoid(gate), by `sigmoid_mul`.
+    Gate { x: DevBuf<f32>, gate: DevBuf<f32> },
 }
 
 /// One token's residual row x whose next norm, rmsnorm(x) * gains, is left to the products that
@@ -144,20 +193,32 @@ impl CudaTensor {
         self.split.is_some()
     }
 
+    /// Whether the op that wrote this tensor kept only its split, its values to be remade
+    /// where read (`LazySplit`); the parity tests check that path is taken.
+    pub fn kept_as_split(&self) -> bool {
+        matches!(self.lazy, Some(Lazy::Split(_)))
+    }
+
     /// One token's row of `cols` that its readers finish (`Lazy`): its own buffer is empty (a
     /// null address), so that an op reading it as plain values would fault.
     fn lazy(cols: usize, lazy: Lazy) -> CudaTensor {
-        let empty = DevBuf {
-            ptr: 0,
-            len: 0,
-            _owned: None,
-        };
         CudaTensor {
-            buf: empty,
+            buf: DevBuf::empty(),
             rows: 1,
             cols,
             lazy: Some(lazy),
             split: None,
+        }
+    }
+
+    /// `rows x cols` kept as `split` alone (`LazySplit`); its buffer empty, as `lazy`'s.
+    fn split_only(rows: usize, cols: usize, split: Arc<Split>, remake: LazySplit) -> CudaTensor {
+        CudaTensor {
+            buf: DevBuf::empty(),
+            rows,
+            cols,
+            lazy: Some(Lazy::Split(remake)),
+            split: Some(split),
         }
     }
 }
@@ -401,6 +462,7 @@ struct Kernels {
     rms_norm: CudaFunction,
     rms_norm_warp: CudaFunction,
     rms_norm_rows8: CudaFunction,
+    rms_norm_row8: CudaFunction,
     add_rms_norm: CudaFunction,
     add_assign: CudaFunction,
     swiglu: CudaFunction,
@@ -581,6 +643,7 @@ impl Kernels {
             rms_norm: f("pointwise", "rms_norm")?,
             rms_norm_warp: f("pointwise", "rms_norm_warp")?,
             rms_norm_rows8: f("pointwise", "rms_norm_rows8")?,
+            rms_norm_row8: f("pointwise", "rms_norm_row8")?,
             add_rms_norm: f("pointwise", "add_rms_norm")?,
             add_assign: f("pointwise", "add_assign")?,
             swiglu: f("pointwise", "swiglu")?,
@@ -1361,6 +1424,10 @@ enum MoeOut {
 /// Tokens from which the experts run grouped by expert on the tensor cores (below, each pair is
 /// a matrix-vector product: with few tokens an expert rarely serves more than one).
 const GROUPED_MOE_MIN_TOKENS: usize = 32;
+/// Tokens from which the norms and the attention's output gate keep their output as its split
+/// alone (`LazySplit`): from here on every product reading them takes the split, the experts'
+/// too (below, the experts' products would remake the values).
+const SPLIT_ONLY_MIN_TOKENS: usize = GROUPED_MOE_MIN_TOKENS;
 /// Experts plus the shared expert that the grouping kernel can count (`MAX_GROUPS`, qmma.cu).
 const MAX_EXPERT_GROUPS: usize = 1024;
 /// Pairs each block of the grouping's first kernel counts (`MOE_GROUP_PAIRS`, qmma.cu).
@@ -1370,6 +1437,23 @@ const MOE_GROUP_PAIRS: usize = 1024;
 /// (`rms_norm_warp`), or several to a warp in 8-column blocks where they fit (`rms_norm_rows8`).
 const SHORT_NORM_COLS: usize = 512;
 const SHORT_NORM_MIN_ROWS: usize = 256;
+
+/// Whether `launch_norm_rows` takes `groups` rows of `cols` by `rms_norm_rows8`, the kernel
+/// that writes the split from its registers and so may leave out the f32 rows (`LazySplit`).
+fn norm_rows8_fits(groups: usize, cols: usize) -> bool {
+    let blocks8 = cols / 8;
+    groups >= SHORT_NORM_MIN_ROWS
+        && cols <= SHORT_NORM_COLS
+        && cols.is_multiple_of(8)
+        && blocks8 > 0
+        && (32 % blocks8 == 0 || blocks8.is_multiple_of(32))
+}
+
+/// Threads of a block of the residual-add norms (`add_rms_norm_row8`): an 8-column block a
+/// thread, whole warps. Their remake (`rms_norm_row8`) takes the same, so the same sums.
+fn row8_threads(cols: usize) -> u32 {
+    cols.div_ceil(NORM_PER_THREAD).next_multiple_of(32) as u32
+}
 
 /// Columns per thread of the residual-add norms: an 8-column block (`add_rms_norm_row8`,
 /// kernels/pointwise.cu).
@@ -1486,7 +1570,6 @@ impl CudaBackend {
         conv: ConvTailArg,
     ) -> Result<(Vec<CudaTensor>, bool)> {
         if x.rows >= MMA_MIN_TOKENS {
-            plain!(self, x);
             // One split of the input serves every product; consecutive matrices of one bit
             // width share a launch (at most four per launch).
             let split = self.split_of(x)?;
@@ -1855,7 +1938,7 @@ impl CudaBackend {
             }
         };
         if t >= GROUPED_MOE_MIN_TOKENS {
-            plain!(self, x);
+            // The grouped products read x's split alone (`split_of`).
             let dims = MoeDims {
                 tokens: t,
                 hidden,
@@ -2019,24 +2102,87 @@ impl CudaBackend {
         self.split_with(&self.k.swiglu_split_bf16, src, rows, cols)
     }
 
-    /// The split of `x` for the tensor-core products: the one its writer made with it, else a
-    /// new one.
+    /// The split of `x` for the tensor-core products: the one its writer made with it (all that
+    /// a `LazySplit` tensor holds), else a new one of its plain values.
     fn split_of(&self, x: &CudaTensor) -> Result<Split> {
-        match &x.split {
-            Some(split) => Ok(Split::clone(split)),
-            None => self.split(self.ptr(&x.buf), x.rows, x.cols),
+        if let Some(split) = &x.split {
+            return Ok(Split::clone(split));
         }
+        plain!(self, x);
+        self.split(self.ptr(&x.buf), x.rows, x.cols)
     }
 
-    /// A `rows x cols` output that tensor-core products read next, with room for the split that
-    /// the op writing it fills as well (see `CudaTensor::split`) where the products would take
-    /// one: many rows, and columns that make whole 64-column groups.
-    fn tensor_for_products(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
-        let mut out = self.tensor(rows, cols)?;
+    /// Room for the split of a `rows x cols` output that tensor-core products read next, where
+    /// they would take one: many rows, and columns that make whole 64-column groups.
+    fn products_split(&self, rows: usize, cols: usize) -> Result<Option<Arc<Split>>> {
         if rows >= MMA_MIN_TOKENS && cols.is_multiple_of(64) {
-            out.split = Some(Arc::new(self.alloc_split(rows, cols)?));
+            return Ok(Some(Arc::new(self.alloc_split(rows, cols)?)));
+        }
+        Ok(None)
+    }
+
+    /// The split of a `rows x cols` output that its writer keeps alone, without the f32 values
+    /// (`LazySplit`): from `SPLIT_ONLY_MIN_TOKENS` rows, where every product reading it takes
+    /// the split.
+    fn kept_split(&self, split: &Option<Arc<Split>>, rows: usize) -> Option<Arc<Split>> {
+        split.clone().filter(|_| rows >= SPLIT_ONLY_MIN_TOKENS)
+    }
+
+    /// A residual add with the next norm, rmsnorm(x + delta) * w, by `launch(x_in, x_out, out,
+    /// split)` (a kernel of `add_rms_norm_row8`, kernels/pointwise.cu): for many rows the output
+    /// kept as its split alone (`LazySplit`), remade (if ever) from the new residual, which
+    /// therefore goes to a new buffer; else x changed in place and the output written whole,
+    /// with its split where the products take one.
+    fn residual_norm(
+        &self,
+        x: &mut CudaTensor,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        launch: impl Fn(u64, u64, u64, SplitArg) -> Result<()>,
+    ) -> Result<CudaTensor> {
+        let (rows, cols) = (x.rows, x.cols);
+        let split = self.products_split(rows, cols)?;
+        if let Some(split) = self.kept_split(&split, rows) {
+            let x_out = self.tensor(rows, cols)?;
+            launch(
+                self.ptr(&x.buf),
+                self.ptr(&x_out.buf),
+                0,
+                SplitArg::of(Some(&split)),
+            )?;
+            let remake = LazySplit::Residual {
+                x: x_out.buf.clone(),
+                gains: self.ptr(w),
+                eps,
+            };
+            *x = x_out;
+            return Ok(CudaTensor::split_only(rows, cols, split, remake));
+        }
+        self.unshare(x)?;
+        let mut out = self.tensor(rows, cols)?;
+        out.split = split;
+        if rows > 0 {
+            let x_ptr = self.ptr(&x.buf);
+            launch(
+                x_ptr,
+                x_ptr,
+                self.ptr(&out.buf),
+                SplitArg::of(out.split.as_deref()),
+            )?;
         }
         Ok(out)
+    }
+
+    /// `t`'s buffer its own before an op changes it in place: a copy where a tensor kept as
+    /// its split alone would remake its values from it (`LazySplit`), or a one-token row's
+    /// lazy norm reads it (`LazyNorm`).
+    fn unshare(&self, t: &mut CudaTensor) -> Result<()> {
+        if t.buf.shared() {
+            let own = self.tensor(t.rows, t.cols)?;
+            self.copy::<f32>(self.ptr(&t.buf), self.ptr(&own.buf), t.rows * t.cols)?;
+            t.buf = own.buf;
+        }
+        Ok(())
     }
 
     fn alloc_split(&self, rows: usize, cols: usize) -> Result<Split> {
@@ -2607,13 +2753,17 @@ impl CudaBackend {
         Ok(CudaTensor::new(self.tmp(rows * cols)?, rows, cols))
     }
 
-    /// `t` as plain values: a lazily normed row (`LazyNorm`) is normed now, into a new tensor.
+    /// `t` as plain values: a lazily normed row (`LazyNorm`, `LazyGate`) is normed now, and
+    /// rows kept as their split alone are remade (`LazySplit`), into a new tensor.
     fn plain<'a>(&self, t: &'a CudaTensor) -> Result<Plain<'a>> {
         let Some(lazy) = &t.lazy else {
             return Ok(Plain::Borrowed(t));
         };
         let out = self.tensor(t.rows, t.cols)?;
         match lazy {
+            Lazy::Split(remake) => {
+                self.remake_rows(remake, t.cols, 0..t.rows, self.ptr(&out.buf))?
+            }
             Lazy::Norm(n) => {
                 let ptrs = [n.x.ptr, n.gains, 0, self.ptr(&out.buf)];
                 self.launch_norm_rows(ptrs, SplitArg::default(), t.rows, t.cols, n.eps)?;
@@ -2626,6 +2776,49 @@ impl CudaBackend {
             )?,
         }
         Ok(Plain::Normed(out))
+    }
+
+    /// Rows `rows` of a tensor of `cols` columns kept as its split alone, remade into `out` by
+    /// the arithmetic of the kernel that wrote the split, bit for bit (`LazySplit`).
+    fn remake_rows(
+        &self,
+        remake: &LazySplit,
+        cols: usize,
+        rows: Range<usize>,
+        out: u64,
+    ) -> Result<()> {
+        let n = rows.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let at = 4 * (rows.start * cols) as u64;
+        match remake {
+            LazySplit::Residual { x, gains, eps } => launch!(
+                self,
+                self.k.rms_norm_row8,
+                cfg((n as u32, 1), row8_threads(cols), 0),
+                [x.ptr + at, *gains, out, cols as i32, *eps]
+            ),
+            LazySplit::Norm {
+                x,
+                gains,
+                z,
+                cols: head,
+                eps,
+            } => {
+                // The writer's kernel (`norm_rows8_fits`) even for a few rows, which
+                // `launch_norm_rows` would give another.
+                let zp = z.as_ref().map_or(0, |z| z.ptr + at);
+                let ptrs = [x.ptr + at, *gains, zp, out];
+                self.launch_norm_rows8(ptrs, SplitArg::default(), n * cols / head, *head, *eps)
+            }
+            LazySplit::Gate { x, gate } => launch!(
+                self,
+                self.k.sigmoid_mul,
+                elementwise(n * cols),
+                [x.ptr + at, gate.ptr + at, out, (n * cols) as i64]
+            ),
+        }
     }
 
     /// `plain` in place.
@@ -2941,14 +3134,30 @@ impl CudaBackend {
                 w.len()
             )));
         }
-        // The kernels split each of their rows: whole 64-column groups of them.
-        let out = if for_products && cols.is_multiple_of(64) {
-            self.tensor_for_products(x.rows, x.cols)?
-        } else {
-            self.tensor(x.rows, x.cols)?
-        };
         let groups = x.rows * x.cols / cols;
         let zp = z.map(|z| self.ptr(&z.buf)).unwrap_or(0);
+        // The kernels split each of their rows: whole 64-column groups of them.
+        let split = if for_products && cols.is_multiple_of(64) {
+            self.products_split(x.rows, x.cols)?
+        } else {
+            None
+        };
+        // The split alone where the kernel writes it from its registers (`LazySplit`).
+        let only = self.kept_split(&split, x.rows);
+        if let Some(split) = only.filter(|_| norm_rows8_fits(groups, cols)) {
+            let ptrs = [self.ptr(&x.buf), self.ptr(w), zp, 0];
+            self.launch_norm_rows(ptrs, SplitArg::of(Some(&split)), groups, cols, eps)?;
+            let remake = LazySplit::Norm {
+                x: x.buf.clone(),
+                gains: self.ptr(w),
+                z: z.map(|z| z.buf.clone()),
+                cols,
+                eps,
+            };
+            return Ok(CudaTensor::split_only(x.rows, x.cols, split, remake));
+        }
+        let mut out = self.tensor(x.rows, x.cols)?;
+        out.split = split;
         self.launch_norm_rows(
             [self.ptr(&x.buf), self.ptr(w), zp, self.ptr(&out.buf)],
             SplitArg::of(out.split.as_deref()),
@@ -2957,6 +3166,25 @@ impl CudaBackend {
             eps,
         )?;
         Ok(out)
+    }
+
+    /// `rms_norm_rows8` over `groups` rows of `cols` (8-column blocks a lane, min(32, cols / 8)
+    /// lanes a row) at the addresses `[x, gains, z (0: none), out (0: the split alone)]`.
+    fn launch_norm_rows8(
+        &self,
+        [x, w, zp, out]: [u64; 4],
+        split: SplitArg,
+        groups: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let rows_per_block = 256 / (cols / 8).min(32);
+        launch!(
+            self,
+            self.k.rms_norm_rows8,
+            cfg((groups.div_ceil(rows_per_block) as u32, 1), 256, 0),
+            [x, w, zp, out, split, groups as i32, cols as i32, eps]
+        )
     }
 
     /// `rms_norm`'s kernels over `groups` rows of `cols` at the addresses `[x, gains, z (0:
@@ -2972,18 +3200,11 @@ impl CudaBackend {
         // Many short rows (a prefill chunk's per-head norms) a warp each, eight to a block; long
         // rows, and the few of one decode token (where the block kernel is faster: 1.30 against
         // 2.04 us for 32 rows of 128), a block each.
-        let blocks8 = cols / 8;
         if groups >= SHORT_NORM_MIN_ROWS && cols <= SHORT_NORM_COLS {
             // 8-column blocks a lane, min(32, cols / 8) lanes a row, where whole rows fill a
             // warp; else a warp a row.
-            if cols.is_multiple_of(8) && (32 % blocks8 == 0 || blocks8.is_multiple_of(32)) {
-                let rows_per_block = 256 / blocks8.min(32);
-                launch!(
-                    self,
-                    self.k.rms_norm_rows8,
-                    cfg((groups.div_ceil(rows_per_block) as u32, 1), 256, 0),
-                    [x, w, zp, out, split, groups as i32, cols as i32, eps]
-                )?;
+            if norm_rows8_fits(groups, cols) {
+                self.launch_norm_rows8([x, w, zp, out], split, groups, cols, eps)?;
             } else {
                 launch!(
                     self,
@@ -3177,6 +3398,7 @@ impl Backend for CudaBackend {
         plain!(self, mut x);
         plain!(self, y);
         same_shape(x, y, "add")?;
+        self.unshare(x)?;
         let n = x.rows * x.cols;
         launch!(
             self,
@@ -3191,7 +3413,6 @@ impl Backend for CudaBackend {
         // run on the tensor cores, each tile of codes serving up to 64 tokens (`qbatch` checks
         // the matrix there).
         if x.rows >= MMA_MIN_TOKENS {
-            plain!(self, x);
             let split = self.split_of(x)?;
             return products(self.qmma(&split, x.cols, &[w], x.rows)?).map(|[out]| out);
         }
@@ -3308,25 +3529,25 @@ impl Backend for CudaBackend {
         plain!(self, y);
         same_shape(x, y, "add_rms_norm")?;
         check_row_norm(x.cols, w)?;
-        let out = self.tensor_for_products(x.rows, x.cols)?;
-        if x.rows > 0 {
-            let threads = x.cols.div_ceil(NORM_PER_THREAD).next_multiple_of(32);
+        let (rows, cols) = (x.rows, x.cols);
+        let launch = |x_in: u64, x_out: u64, out: u64, split: SplitArg| {
             launch!(
                 self,
                 self.k.add_rms_norm,
-                cfg((x.rows as u32, 1), threads as u32, 0),
+                cfg((rows as u32, 1), row8_threads(cols), 0),
                 [
-                    self.ptr(&x.buf),
+                    x_in,
+                    x_out,
                     self.ptr(&y.buf),
                     self.ptr(w),
-                    self.ptr(&out.buf),
-                    SplitArg::of(out.split.as_deref()),
-                    x.cols as i32,
+                    out,
+                    split,
+                    cols as i32,
                     eps
                 ]
-            )?;
-        }
-        Ok(out)
+            )
+        };
+        self.residual_norm(x, w, eps, launch)
     }
 
     fn qmatmul_add_rms_norm(
@@ -3344,7 +3565,7 @@ impl Backend for CudaBackend {
         let many_rows =
             p.rows.div_ceil(GEMV_SHAPES[0].rows_per_block) >= STREAM_MIN_BLOCKS_PER_SM * self.sms;
         if y.rows != 1 || many_rows {
-            plain!(self, y);
+            // `qmatmul` reads y as it is kept (its split alone, `LazySplit`).
             let projected = self.qmatmul(y, p)?;
             return self.add_rms_norm(x, &projected, w, eps);
         }
@@ -3437,6 +3658,12 @@ impl Backend for CudaBackend {
         // One token's lazily normed row stays lazy (the lm_head's product takes it).
         if let (1, Some(Lazy::Norm(lazy))) = (x.rows, &x.lazy) {
             return Ok(CudaTensor::lazy(x.cols, Lazy::Norm(lazy.clone())));
+        }
+        // Rows kept as their split alone: only the last one remade.
+        if let (Some(Lazy::Split(remake)), Some(last)) = (&x.lazy, x.rows.checked_sub(1)) {
+            let out = self.tensor(1, x.cols)?;
+            self.remake_rows(remake, x.cols, last..x.rows, self.ptr(&out.buf))?;
+            return Ok(out);
         }
         plain!(self, x);
         let out = self.tensor(1, x.cols)?;
@@ -3906,10 +4133,10 @@ impl Backend for CudaBackend {
     fn sigmoid_mul(&self, x: &CudaTensor, gate: &CudaTensor) -> Result<CudaTensor> {
         plain!(self, x, gate);
         same_shape(x, gate, "sigmoid_mul")?;
-        // Many tokens: the output gate's product input, split here as well.
-        let out = self.tensor_for_products(x.rows, x.cols)?;
+        // Many tokens: the output gate's product input, kept as its split alone (`LazySplit`).
         let n = x.rows * x.cols;
-        if let Some(split) = &out.split {
+        let split = self.products_split(x.rows, x.cols)?;
+        let launch_split = |out: u64, split: &Split| {
             launch!(
                 self,
                 self.k.sigmoid_mul_split,
@@ -3917,11 +4144,24 @@ impl Backend for CudaBackend {
                 [
                     self.ptr(&x.buf),
                     self.ptr(&gate.buf),
-                    self.ptr(&out.buf),
+                    out,
                     SplitArg::of(Some(split)),
                     (n / 8) as i64
                 ]
-            )?;
+            )
+        };
+        if let Some(split) = self.kept_split(&split, x.rows) {
+            launch_split(0, &split)?;
+            let remake = LazySplit::Gate {
+                x: x.buf.clone(),
+                gate: gate.buf.clone(),
+            };
+            return Ok(CudaTensor::split_only(x.rows, x.cols, split, remake));
+        }
+        let mut out = self.tensor(x.rows, x.cols)?;
+        if let Some(split) = split {
+            launch_split(self.ptr(&out.buf), &split)?;
+            out.split = Some(split);
             return Ok(out);
         }
         launch!(
@@ -4074,28 +4314,28 @@ impl Backend for CudaBackend {
             let moe = self.combine(&y, logit, rt, x.rows, x.cols)?;
             return self.add_rms_norm(x, &moe, w, eps);
         }
-        let out = self.tensor_for_products(x.rows, x.cols)?;
-        if x.rows > 0 {
-            let threads = (x.cols / NORM_PER_THREAD).next_multiple_of(32);
+        let (rows, cols) = (x.rows, x.cols);
+        let launch = |x_in: u64, x_out: u64, out: u64, split: SplitArg| {
             launch!(
                 self,
                 self.k.moe_combine_add_rms_norm,
-                cfg((x.rows as u32, 1), threads as u32, 0),
+                cfg((rows as u32, 1), row8_threads(cols), 0),
                 [
                     y.ptr,
                     self.ptr(&rt.weights),
                     logit,
-                    self.ptr(&x.buf),
+                    x_in,
+                    x_out,
                     self.ptr(w),
-                    self.ptr(&out.buf),
-                    SplitArg::of(out.split.as_deref()),
-                    x.cols as i32,
+                    out,
+                    split,
+                    cols as i32,
                     rt.top_k as i32,
                     eps
                 ]
-            )?;
-        }
-        Ok(out)
+            )
+        };
+        self.residual_norm(x, w, eps, launch)
     }
 
     fn add_sigmoid_gated(
@@ -4112,6 +4352,7 @@ impl Backend for CudaBackend {
                 "add_sigmoid_gated: one gate logit per row expected".into(),
             ));
         }
+        self.unshare(out)?;
         let n = out.rows * out.cols;
         launch!(
             self,

@@ -64,7 +64,9 @@ extern "C" __global__ void rms_norm_warp(const float* x, const float* w, const f
 // consecutive columns at a time as two float4, and with split.hi writing the split from the same
 // registers. The strided form above spent a load and a store instruction a column and read its
 // output back for the split (the GDN output norm, 4,096 x 32 rows of 128 a chunk: 2.6 TB/s,
-// docs/performance.md, run49). Launch with 256 threads and ceil(rows / (8 * 32 / lanes)) blocks.
+// docs/performance.md, run49). out may be null where split.hi is set: the output kept as its split
+// alone (mod.rs, `LazySplit`), made plain later by this kernel with out and no split, from the
+// same registers' values. Launch with 256 threads and ceil(rows / (8 * 32 / lanes)) blocks.
 extern "C" __global__ void rms_norm_rows8(const float* x, const float* w, const float* z, float* out, SplitOut split,
                                           int rows, int cols, float eps) {
     grid_dep();
@@ -100,34 +102,39 @@ extern "C" __global__ void rms_norm_rows8(const float* x, const float* w, const 
             v[k][c] = v[k][c] * inv * g[c];
             if (z) v[k][c] *= silu(zv[c]);
         }
-        store8(out + base + 8 * b, v[k]);
+        if (out) store8(out + base + 8 * b, v[k]);
         if (split.hi) store_split8(v[k], split, (long long)r * blocks8 + b);
     }
 }
 
 // The residual add fused with the next norm, for row blockIdx.x, an 8-column block a thread:
-// thread b's columns 8b .. 8b + 7 of x[r] += d, the values that delta(d, n, vec) loads (n of
-// them in the row; vec: cols a multiple of 8, see load_cols8), then out[r] = rmsnorm(x[r]) * w
-// and, with split.hi, its split from the same registers (store_split8; cols a multiple of 64).
+// thread b's columns 8b .. 8b + 7 of x_out[r] = x_in[r] + d, the values that delta(d, n, vec)
+// loads (n of them in the row; vec: cols a multiple of 8, see load_cols8; x_out may be x_in),
+// then out[r] = rmsnorm(x_out[r]) * w and, with split.hi, its split from the same registers
+// (store_split8; cols a multiple of 64). Without ADD, x_in is only normed (x_out unused). out may
+// be null where split.hi is set: the output kept as its split alone (mod.rs, `LazySplit`), made
+// plain later by rms_norm_row8 from x_out with the same block shape, hence the same sums.
 // Loads are float4, and the split needs neither a second pass over the row nor a barrier before
 // it: with a thread per strided column the MoE mix spent ~360 instructions a column and moved
 // ~2.7 TB/s (docs/performance.md, run49). cols at most 8 * blockDim.x, and a multiple of 8 unless
 // ANY_WIDTH; 16-byte aligned rows.
-template <bool ANY_WIDTH, class Delta>
-__device__ __forceinline__ void add_rms_norm_row8(float* x, const float* w, float* out, SplitOut split, int cols,
-                                                  float eps, Delta delta) {
+template <bool ANY_WIDTH, bool ADD, class Delta>
+__device__ __forceinline__ void add_rms_norm_row8(const float* x_in, float* x_out, const float* w, float* out,
+                                                  SplitOut split, int cols, float eps, Delta delta) {
     const int b = threadIdx.x, n = min(8, cols - 8 * b);
     const bool mine = n > 0, vec = !ANY_WIDTH || (cols & 7) == 0;
     const size_t at = (size_t)blockIdx.x * cols + 8 * b;  // this block's offset in a [T, cols] tensor
     grid_dep();
     float v[8] = {};
     if (mine) {
-        load_cols8(x + at, v, n, vec);
-        float d[8];
-        delta(d, n, vec);
+        load_cols8(x_in + at, v, n, vec);
+        if constexpr (ADD) {
+            float d[8];
+            delta(d, n, vec);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) v[c] += d[c];
-        store_cols8(x + at, v, n, vec);
+            for (int c = 0; c < 8; ++c) v[c] += d[c];
+            store_cols8(x_out + at, v, n, vec);
+        }
     }
     float ss = 0.f;
 #pragma unroll
@@ -139,17 +146,24 @@ __device__ __forceinline__ void add_rms_norm_row8(float* x, const float* w, floa
     load_cols8(w + 8 * b, g, n, vec);
 #pragma unroll
     for (int c = 0; c < 8; ++c) v[c] = v[c] * inv * g[c];
-    store_cols8(out + at, v, n, vec);
+    if (out) store_cols8(out + at, v, n, vec);
     if (split.hi) store_split8(v, split, (long long)(at >> 3));
 }
 
-// x[r] += y[r], then out[r] = rmsnorm(x[r]) * w; one block per row of ceil(cols / 8) threads
-// rounded up to a multiple of 32 (add_rms_norm_row8), rows of any width.
-extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, SplitOut split,
-                                        int cols, float eps) {
-    add_rms_norm_row8<true>(x, w, out, split, cols, eps, [&](float (&d)[8], int n, bool vec) {
+// x_out[r] = x_in[r] + y[r], then out[r] = rmsnorm(x_out[r]) * w; one block per row of
+// ceil(cols / 8) threads rounded up to a multiple of 32 (add_rms_norm_row8), rows of any width.
+extern "C" __global__ void add_rms_norm(const float* x_in, float* x_out, const float* y, const float* w, float* out,
+                                        SplitOut split, int cols, float eps) {
+    add_rms_norm_row8<true, true>(x_in, x_out, w, out, split, cols, eps, [&](float (&d)[8], int n, bool vec) {
         load_cols8(y + (size_t)blockIdx.x * cols + 8 * threadIdx.x, d, n, vec);
     });
+}
+
+// out[r] = rmsnorm(x[r]) * w as add_rms_norm_row8 norms (launched as add_rms_norm and
+// moe_combine_add_rms_norm are, so the same sums give the same values): the f32 values of their
+// output where they kept only its split.
+extern "C" __global__ void rms_norm_row8(const float* x, const float* w, float* out, int cols, float eps) {
+    add_rms_norm_row8<true, false>(x, nullptr, w, out, SplitOut{}, cols, eps, [](float (&)[8], int, bool) {});
 }
 
 // Experts whose outputs a moe_combine_add_rms_norm thread holds at once (the 35B's eight): with
@@ -164,10 +178,11 @@ constexpr int COMBINE_LOADS = 8;
 // multiple of 8 (the mod.rs side checks), at most 8 * 256; launch with cols / 8 threads rounded
 // up to a multiple of 32.
 extern "C" __global__ void __launch_bounds__(256, 2)
-    moe_combine_add_rms_norm(const float* y, const float* weights, const float* shared_logit, float* x, const float* w,
-                             float* out, SplitOut split, int cols, int top_k, float eps) {
+    moe_combine_add_rms_norm(const float* y, const float* weights, const float* shared_logit, const float* x_in,
+                             float* x_out, const float* w, float* out, SplitOut split, int cols, int top_k,
+                             float eps) {
     const size_t t = blockIdx.x, pairs = (size_t)gridDim.x * top_k;
-    add_rms_norm_row8<false>(x, w, out, split, cols, eps, [&](float (&d)[8], int, bool) {
+    add_rms_norm_row8<false, true>(x_in, x_out, w, out, split, cols, eps, [&](float (&d)[8], int, bool) {
         const float* wt = weights + t * top_k;
         const float* yt = y + t * top_k * cols + 8 * threadIdx.x;
         float yv[COMBINE_LOADS][8], s[8] = {};
@@ -203,7 +218,8 @@ extern "C" __global__ void sigmoid_mul(const float* x, const float* gate, float*
 }
 
 // sigmoid_mul with out's split as well: a thread per 8-column block (blocks8 of them, rows of a
-// multiple of 64 columns, 16-byte aligned buffers). Launch with 256 threads and
+// multiple of 64 columns, 16-byte aligned buffers); out null keeps the split alone (mod.rs,
+// `LazySplit`; sigmoid_mul makes the same values later). Launch with 256 threads and
 // ceil(blocks8 / 256) blocks.
 extern "C" __global__ void sigmoid_mul_split(const float* x, const float* gate, float* out, SplitOut split,
                                              long long blocks8) {
@@ -216,7 +232,7 @@ extern "C" __global__ void sigmoid_mul_split(const float* x, const float* gate, 
     load8(gate + 8 * i, g);
 #pragma unroll
     for (int c = 0; c < 8; ++c) f[c] *= sigmoid(g[c]);
-    store8(out + 8 * i, f);
+    if (out) store8(out + 8 * i, f);
     store_split8(f, split, i);
 }
 
