@@ -98,7 +98,7 @@ enum Lazy {
 /// Many tokens' rows (a norm's or the attention's output gate's) whose writer stored only the
 /// split that the tensor-core products read (`CudaTensor::split`), not the f32 values: in the
 /// model every reader of these outputs is a product, and the f32 rows were a quarter to a fifth
-/// of those kernels' traffic (prefill +1.1-1.4% at 4,096-16,384 tokens as a bound,
+/// of those kernels' traffic (prefill +1.2% at 4,096 and +1.1% at 16,384 tokens,
 /// docs/performance.md, run56). A reader that needs the values (`CudaBackend::plain`) gets
 /// them remade, bit for bit, by the same arithmetic from what they were made of, which the
 /// tensor holds. Those inputs must not change in place meanwhile: they are the op's own
@@ -813,6 +813,8 @@ pub struct CudaBackend {
     pdl: bool,
     /// Keys per decode attention split, at least (`ATTN_MIN_CHUNK`).
     attn_min_chunk: usize,
+    /// Tokens from which outputs are kept as their split alone (`SPLIT_ONLY_MIN_TOKENS`).
+    split_only_min_tokens: usize,
     /// While profiling: every launch, for replay in isolation.
     trace: Mutex<Option<Vec<Traced>>>,
     /// The kernel family left out of recorded decode steps (`leave_out_of_decode`).
@@ -1425,8 +1427,8 @@ enum MoeOut {
 /// a matrix-vector product: with few tokens an expert rarely serves more than one).
 const GROUPED_MOE_MIN_TOKENS: usize = 32;
 /// Tokens from which the norms and the attention's output gate keep their output as its split
-/// alone (`LazySplit`): from here on every product reading them takes the split, the experts'
-/// too (below, the experts' products would remake the values).
+/// alone (`LazySplit`); `LILY_CUDA_SPLIT_ONLY_MIN_TOKENS` overrides it, for A/B, down to
+/// `GROUPED_MOE_MIN_TOKENS` (below it the experts' products would remake the values).
 const SPLIT_ONLY_MIN_TOKENS: usize = GROUPED_MOE_MIN_TOKENS;
 /// Experts plus the shared expert that the grouping kernel can count (`MAX_GROUPS`, qmma.cu).
 const MAX_EXPERT_GROUPS: usize = 1024;
@@ -1535,6 +1537,11 @@ impl CudaBackend {
                 .and_then(|v| v.parse::<usize>().ok())
                 .filter(|&n| n > 0)
                 .unwrap_or(ATTN_MIN_CHUNK),
+            split_only_min_tokens: std::env::var("LILY_CUDA_SPLIT_ONLY_MIN_TOKENS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(SPLIT_ONLY_MIN_TOKENS)
+                .max(GROUPED_MOE_MIN_TOKENS),
             trace: Mutex::new(None),
             left_out: OnceLock::new(),
             tracing: AtomicBool::new(false),
@@ -2125,7 +2132,7 @@ impl CudaBackend {
     /// (`LazySplit`): from `SPLIT_ONLY_MIN_TOKENS` rows, where every product reading it takes
     /// the split.
     fn kept_split(&self, split: &Option<Arc<Split>>, rows: usize) -> Option<Arc<Split>> {
-        split.clone().filter(|_| rows >= SPLIT_ONLY_MIN_TOKENS)
+        split.clone().filter(|_| rows >= self.split_only_min_tokens)
     }
 
     /// A residual add with the next norm, rmsnorm(x + delta) * w, by `launch(x_in, x_out, out,
