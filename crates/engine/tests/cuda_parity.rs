@@ -10,7 +10,9 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use engine::backend::cpu::reference as r;
 use engine::backend::cpu::{CpuBackend, CpuRouting};
 use engine::backend::cuda::device::CudaDevice;
-use engine::backend::cuda::{CudaBackend, CudaQMatrix, CudaRouting, CudaTensor};
+use engine::backend::cuda::{
+    CONV_IN_PREP_MIN_TOKENS, CudaBackend, CudaQMatrix, CudaRouting, CudaTensor,
+};
 use engine::backend::{
     AttnShape, Backend, DeviceSample, DeviceSampling, GdnShape, attn_prep_separately,
 };
@@ -691,6 +693,131 @@ fn conv_matches_in_both_forms() {
     }
 }
 
+/// Many tokens' conv left to the chunked recurrence's prep (`LazyConv`, from
+/// `CONV_IN_PREP_MIN_TOKENS`): over prompts of 18 chunks and of 16 and a partial one (the prep
+/// in value-head pairs on the 35B shape, a block a head on the other), with decode steps
+/// between them and a shorter prompt whose conv runs on its own after them, the recurrence from
+/// the lazy conv must give the bits it gives from the conv's values (conv1d_silu's, remade when
+/// read after the window moved on), on a copy of the same state; those values must match the
+/// CPU's and read the same twice.
+#[test]
+fn gdn_conv_left_to_the_prep_matches_the_conv_launch() {
+    let Some((cpu, gpu)) = backends_or_skip("gdn_conv_left_to_the_prep_matches_the_conv_launch")
+    else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(44);
+    let hidden = 256;
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for sh in &GDN_SHAPES {
+        let (c, hv) = (sh.conv_channels(), sh.value_heads);
+        let w = qweight(&mut rng, c, hidden, 4);
+        let taps = randn(&mut rng, sh.conv_kernel * c, 0.5);
+        let (a_log, dt_bias) = (randn(&mut rng, hv, 1.0), randn(&mut rng, hv, 1.0));
+        let (gw, ct) = (
+            gpu.upload_qmatrix(clone_q(&w)).expect("w"),
+            cpu.upload_qmatrix(clone_q(&w)).expect("w"),
+        );
+        let (gtaps, ctaps) = (
+            gpu.upload_vector(&taps).expect("taps"),
+            cpu.upload_vector(&taps).expect("taps"),
+        );
+        let [ga, gd] = [&a_log, &dt_bias].map(|v| gpu.upload_vector(v).expect("vector"));
+        let mut gst = gpu.new_gdn_state(sh).expect("state");
+        let mut cst = cpu.new_gdn_state(sh).expect("state");
+        for t in [1100, 1, 1030, 1, 130] {
+            let what = format!("T={t} (Hk {} Hv {hv})", sh.key_heads);
+            let h = randn(&mut rng, t * hidden, 1.0);
+            let (a, b) = (randn(&mut rng, t * hv, 3.0), randn(&mut rng, t * hv, 3.0));
+            let [qkv] = engine::backend::products(
+                gpu.qmatmul_many_conv1d_silu(
+                    &up(&gpu, &h, t, hidden),
+                    &[&gw],
+                    &gtaps,
+                    &mut gst,
+                    sh,
+                )
+                .expect("in-projection with the conv"),
+            )
+            .expect("one product");
+            let [want] = engine::backend::products(
+                cpu.qmatmul_many_conv1d_silu(
+                    &up(&cpu, &h, t, hidden),
+                    &[&ct],
+                    &ctaps,
+                    &mut cst,
+                    sh,
+                )
+                .expect("in-projection with the conv"),
+            )
+            .expect("one product");
+            assert_eq!(
+                qkv.conv_left_to_its_reader(),
+                t >= CONV_IN_PREP_MIN_TOKENS,
+                "{what}: conv left to the prep"
+            );
+            let mut copy = gpu.clone_gdn_state(&gst).expect("state copy");
+            let values = down(&gpu, &qkv);
+            let (ga_t, gb_t) = (up(&gpu, &a, t, hv), up(&gpu, &b, t, hv));
+            let y = gpu
+                .gdn_recurrence(&qkv, &ga_t, &gb_t, &ga, &gd, &mut gst, sh)
+                .expect("gdn from the lazy conv");
+            let y_plain = gpu
+                .gdn_recurrence(
+                    &up(&gpu, &values, t, c),
+                    &ga_t,
+                    &gb_t,
+                    &ga,
+                    &gd,
+                    &mut copy,
+                    sh,
+                )
+                .expect("gdn from the conv's values");
+            assert_eq!(
+                bits(&down(&gpu, &y)),
+                bits(&down(&gpu, &y_plain)),
+                "{what}: gdn output"
+            );
+            let st = &gpu.device().stream;
+            for (part, a, b) in [
+                ("state", &gst.state, &copy.state),
+                ("window", &gst.window, &copy.window),
+            ] {
+                let (a, b) = (st.clone_dtoh(a).expect("a"), st.clone_dtoh(b).expect("b"));
+                assert_eq!(bits(&a), bits(&b), "{what}: {part}");
+            }
+            // Read again after the recurrence: the same bits, and the CPU's values.
+            assert_eq!(
+                bits(&down(&gpu, &qkv)),
+                bits(&values),
+                "{what}: the conv read twice"
+            );
+            close(&format!("conv output, {what}"), &values, &down(&cpu, &want));
+            cpu.gdn_recurrence(
+                &want,
+                &up(&cpu, &a, t, hv),
+                &up(&cpu, &b, t, hv),
+                &cpu.upload_vector(&a_log).expect("a_log"),
+                &cpu.upload_vector(&dt_bias).expect("dt_bias"),
+                &mut cst,
+                sh,
+            )
+            .expect("cpu gdn");
+        }
+        let st = &gpu.device().stream;
+        close(
+            "final window",
+            &st.clone_dtoh(&gst.window).expect("w"),
+            &cst.window,
+        );
+        close(
+            "final state",
+            &st.clone_dtoh(&gst.state).expect("s"),
+            &cst.state,
+        );
+    }
+}
+
 /// A GDN layer's weights for `gdn_mixer_on`: the in-projections (qkv, z, a, b), conv taps, a_log,
 /// dt_bias, the output norm's gains, the output projection and the next norm's gains.
 struct GdnLayer {
@@ -795,8 +922,9 @@ fn gdn_mixer_with_its_lazy_output_norm_matches() {
             post_norm: randn(&mut rng, hidden, 1.0),
         };
         // A short prompt (one product per token), decode steps, a prompt on the tensor cores
-        // and the chunked recurrence, and a decode step after it.
-        let chunks: Vec<_> = [5, 1, 1, 1, 70, 1]
+        // and the token loop, a decode step, then two prompts that take the chunked recurrence
+        // (the conv on its own, then in the prep) and a decode step after them.
+        let chunks: Vec<_> = [5, 1, 1, 1, 70, 1, 130, 1030, 1]
             .iter()
             .map(|&t| {
                 (

@@ -93,6 +93,23 @@ enum Lazy {
     Norm(LazyNorm),
     Gate(LazyGate),
     Split(LazySplit),
+    Conv(LazyConv),
+}
+
+/// Many tokens' GDN conv output, silu(causal conv of x), left to the chunked recurrence's prep,
+/// which convolves the rows it loads (`PrepConv`, kernels/gdn.cu): the conv's own launch wrote
+/// its output and the prep read it back, 2 x 134 MB at every GDN layer of a 4,096-token chunk.
+/// The state's window moved on when the tensor was made (`conv1d_window`), and the window before
+/// it is kept here, so that a reader that needs the values (`CudaBackend::plain`) gets
+/// conv1d_silu's from what the tensor holds, however often it asks.
+#[derive(Clone)]
+struct LazyConv {
+    /// The conv's input, the in-projection's rows.
+    x: DevBuf<f32>,
+    /// Its taps [kernel][cols] and the window before x's first row [kernel - 1][cols].
+    taps: u64,
+    window: DevBuf<f32>,
+    kernel: usize,
 }
 
 /// Many tokens' rows (a norm's or the attention's output gate's) whose writer stored only the
@@ -197,6 +214,12 @@ impl CudaTensor {
     /// where read (`LazySplit`); the parity tests check that path is taken.
     pub fn kept_as_split(&self) -> bool {
         matches!(self.lazy, Some(Lazy::Split(_)))
+    }
+
+    /// Whether this is a GDN conv's output left to the chunked recurrence's prep (`LazyConv`);
+    /// the parity tests check that path is taken.
+    pub fn conv_left_to_its_reader(&self) -> bool {
+        matches!(self.lazy, Some(Lazy::Conv(_)))
     }
 
     /// One token's row of `cols` that its readers finish (`Lazy`): its own buffer is empty (a
@@ -319,6 +342,18 @@ struct ConvTailArg {
 
 // SAFETY: repr(C), two u64 then two 4-byte fields, no padding.
 unsafe impl bytemuck::NoUninit for ConvTailArg {}
+
+/// A `PrepConv` kernel parameter (kernels/gdn.cu): the conv that `gdn_chunk_prep` applies to
+/// the rows it loads (`LazyConv`); all zero for rows already convolved.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PrepConvArg {
+    taps: u64,
+    window: u64,
+}
+
+// SAFETY: repr(C), two u64, no padding.
+unsafe impl bytemuck::NoUninit for PrepConvArg {}
 
 /// An `AttnPrep` kernel parameter (kernels/attention.cu): one token's attention-layer
 /// projections and norms, prepped by the decode attention itself; all zero for none (attn_prep
@@ -477,6 +512,7 @@ struct Kernels {
     /// the host samples the row read back (to compare the two).
     sample: Option<SampleKernels>,
     conv1d_silu: CudaFunction,
+    conv1d_window: CudaFunction,
     /// Key dims 64, 128, 256.
     gdn_recurrence: [CudaFunction; 3],
     /// The chunked recurrence for prefill (key and value dims 128): `gdn_chunk_prep` and
@@ -670,6 +706,7 @@ impl Kernels {
                 })
             },
             conv1d_silu: f("gdn", "conv1d_silu")?,
+            conv1d_window: f("gdn", "conv1d_window")?,
             gdn_recurrence: [
                 f("gdn", "gdn_recurrence_k64")?,
                 f("gdn", "gdn_recurrence_k128")?,
@@ -750,6 +787,16 @@ const GDN_STATE_ROWS: usize = 32;
 /// take the token loop. Measured on the H200 (session 13, call 7), prefill of the whole model:
 /// the loop is 1-3% faster at 32, 48 and 64 tokens, the chunked form 1% faster at 128.
 const GDN_CHUNKED_MIN_TOKENS: usize = 128;
+/// The conv kernel size that the chunked recurrence's prep applies to its loads
+/// (`GDN_PREP_CONV_K`, kernels/gdn.cu; `LazyConv`).
+const GDN_PREP_CONV_K: usize = 4;
+/// Tokens from which the GDN conv is left to the chunked recurrence's prep (`LazyConv`; below,
+/// conv1d_silu runs on its own). On an H100 (run57) it took prefill +3.5% at 4,096 tokens, +2.6%
+/// at 16,384 and +0.6-0.8% at 512-1,024, and cost 1.9% at 256, where the prep is one wave of a
+/// block a head and the conv's arithmetic and conv1d_window's launch sit on its path.
+/// `LILY_CUDA_CONV_IN_PREP_MIN_TOKENS` overrides it, for A/B (down to `GDN_CHUNKED_MIN_TOKENS`;
+/// a number above any prompt turns it off).
+pub const CONV_IN_PREP_MIN_TOKENS: usize = 512;
 
 /// Dynamic shared memory of `gdn_chunk_prep` (`heads` value heads a block) and `gdn_chunk_state`
 /// for key/value dim `d`
@@ -815,6 +862,9 @@ pub struct CudaBackend {
     attn_min_chunk: usize,
     /// Tokens from which outputs are kept as their split alone (`SPLIT_ONLY_MIN_TOKENS`).
     split_only_min_tokens: usize,
+    /// Tokens from which the GDN conv is left to the chunked recurrence's prep
+    /// (`CONV_IN_PREP_MIN_TOKENS`).
+    conv_in_prep_min_tokens: usize,
     /// While profiling: every launch, for replay in isolation.
     trace: Mutex<Option<Vec<Traced>>>,
     /// The kernel family left out of recorded decode steps (`leave_out_of_decode`).
@@ -1542,6 +1592,11 @@ impl CudaBackend {
                 .and_then(|v| v.parse::<usize>().ok())
                 .unwrap_or(SPLIT_ONLY_MIN_TOKENS)
                 .max(GROUPED_MOE_MIN_TOKENS),
+            conv_in_prep_min_tokens: std::env::var("LILY_CUDA_CONV_IN_PREP_MIN_TOKENS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(CONV_IN_PREP_MIN_TOKENS)
+                .max(GDN_CHUNKED_MIN_TOKENS),
             trace: Mutex::new(None),
             left_out: OnceLock::new(),
             tracing: AtomicBool::new(false),
@@ -1661,6 +1716,52 @@ impl CudaBackend {
             }
         }
         Ok((outs, convolved))
+    }
+
+    /// `conv1d_silu` over `tokens` rows of `channels` at `[x, taps, window, window_out, y]`:
+    /// y = silu(causal conv of x), the window before x read from `window` and the window after
+    /// it written to `window_out` (0 for none).
+    fn launch_conv(
+        &self,
+        [x, taps, window, window_out, y]: [u64; 5],
+        tokens: usize,
+        channels: usize,
+        kernel: usize,
+    ) -> Result<()> {
+        if tokens == 0 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            self.k.conv1d_silu,
+            cfg(
+                (
+                    (channels as u32).div_ceil(128),
+                    (tokens as u32).div_ceil(CONV_TOKENS)
+                ),
+                128,
+                0
+            ),
+            [
+                x,
+                taps,
+                window,
+                window_out,
+                y,
+                tokens as i32,
+                channels as i32,
+                kernel as i32
+            ]
+        )
+    }
+
+    /// Whether `t` tokens of a GDN layer of shape `sh` take the chunked recurrence
+    /// (`gdn_chunk_prep`, `gdn_chunk_state`) rather than the token loop.
+    fn gdn_chunked_fits(&self, sh: &GdnShape, t: usize) -> bool {
+        self.k.gdn_chunked.is_some()
+            && sh.key_dim == 128
+            && sh.value_dim == 128
+            && t >= GDN_CHUNKED_MIN_TOKENS
     }
 
     /// `moe_route` over `rt.tokens` rows of `rt.num_experts` logits at `logits`, into `rt.ids`
@@ -2464,7 +2565,25 @@ impl CudaBackend {
         sh: &GdnShape,
         gate: Option<GdnGateArg>,
     ) -> Result<CudaTensor> {
-        plain!(self, qkv, a, b);
+        plain!(self, a, b);
+        let t = qkv.rows;
+        let chunked = self.gdn_chunked_fits(sh, t);
+        // The chunked recurrence's prep takes the conv's input and applies it (`LazyConv`);
+        // every other reader, the conv's output.
+        let (qkv, conv) = match &qkv.lazy {
+            Some(Lazy::Conv(c)) if chunked => (
+                Plain::Borrowed(qkv),
+                PrepConvArg {
+                    taps: c.taps,
+                    window: c.window.ptr,
+                },
+            ),
+            _ => (self.plain(qkv)?, PrepConvArg::default()),
+        };
+        let qkv_ptr = match &qkv.lazy {
+            Some(Lazy::Conv(c)) => c.x.ptr,
+            _ => self.ptr(&qkv.buf),
+        };
         let (hk, hv, dk, dv) = (sh.key_heads, sh.value_heads, sh.key_dim, sh.value_dim);
         let variant = match dk {
             64 => 0,
@@ -2483,8 +2602,7 @@ impl CudaBackend {
                 "gdn: input shapes do not match the layer".into(),
             ));
         }
-        let y = self.tensor(qkv.rows, hv * dv)?;
-        let t = qkv.rows;
+        let y = self.tensor(t, hv * dv)?;
         let gate = match gate {
             Some(g) if t == 1 => GdnGateArg {
                 g: self.ptr(&y.buf),
@@ -2497,11 +2615,7 @@ impl CudaBackend {
             }
             None => GdnGateArg::default(),
         };
-        if let Some(gdn_chunk) = &self.k.gdn_chunked
-            && dk == 128
-            && dv == 128
-            && t >= GDN_CHUNKED_MIN_TOKENS
-        {
+        if let Some(gdn_chunk) = self.k.gdn_chunked.as_ref().filter(|_| chunked) {
             // Per (chunk, value head): [W; gamma Q], Kd, U', P and the chunk's decay.
             let (c, chunks) = (GDN_CHUNK, t.div_ceil(GDN_CHUNK));
             let blocks = chunks * hv;
@@ -2524,7 +2638,8 @@ impl CudaBackend {
                     gdn_prep_smem_bytes(dk, heads)
                 ),
                 [
-                    self.ptr(&qkv.buf),
+                    qkv_ptr,
+                    conv,
                     self.ptr(&a.buf),
                     self.ptr(&b.buf),
                     self.ptr(a_log),
@@ -2780,6 +2895,13 @@ impl CudaBackend {
                 self.k.head_norm_apply,
                 elementwise(t.cols),
                 [g.g.ptr, g.arg(), self.ptr(&out.buf), t.cols as i32]
+            )?,
+            // The window it was made with is its own: none is written.
+            Lazy::Conv(c) => self.launch_conv(
+                [c.x.ptr, c.taps, c.window.ptr, 0, self.ptr(&out.buf)],
+                t.rows,
+                t.cols,
+                c.kernel,
             )?,
         }
         Ok(Plain::Normed(out))
@@ -3514,14 +3636,54 @@ impl Backend for CudaBackend {
             ConvTailArg::default()
         };
         let (mut outs, convolved) = self.products_and_conv(x, ws, tail)?;
-        if !convolved {
-            let Some(qkv) = outs.first_mut() else {
-                return Err(Error::Backend(
-                    "qmatmul_many_conv1d_silu: no matrices".into(),
-                ));
-            };
-            *qkv = self.conv1d_silu(qkv, conv, state, shape)?;
+        if convolved {
+            return Ok(outs);
         }
+        let Some(qkv) = outs.first_mut() else {
+            return Err(Error::Backend(
+                "qmatmul_many_conv1d_silu: no matrices".into(),
+            ));
+        };
+        // Tokens that take the chunked recurrence leave the conv to its prep (`LazyConv`).
+        let k = shape.conv_kernel;
+        let lazy = self.gdn_chunked_fits(shape, x.rows)
+            && k == GDN_PREP_CONV_K
+            && qkv.lazy.is_none()
+            && qkv.cols == channels
+            && channels.is_multiple_of(4)
+            && conv.len() == channels * k
+            && state.window.len() == channels * (k - 1)
+            && x.rows >= self.conv_in_prep_min_tokens;
+        if !lazy {
+            *qkv = self.conv1d_silu(qkv, conv, state, shape)?;
+            return Ok(outs);
+        }
+        let saved = self.tmp::<f32>(channels * (k - 1))?;
+        launch!(
+            self,
+            self.k.conv1d_window,
+            cfg(((channels as u32).div_ceil(256), 1), 256, 0),
+            [
+                self.ptr(&qkv.buf),
+                self.ptr(&state.window),
+                saved.ptr,
+                qkv.rows as i32,
+                channels as i32,
+                k as i32
+            ]
+        )?;
+        *qkv = CudaTensor {
+            buf: DevBuf::empty(),
+            rows: qkv.rows,
+            cols: channels,
+            lazy: Some(Lazy::Conv(LazyConv {
+                x: qkv.buf.clone(),
+                taps: self.ptr(conv),
+                window: saved,
+                kernel: k,
+            })),
+            split: None,
+        };
         Ok(outs)
     }
 
@@ -3773,29 +3935,15 @@ impl Backend for CudaBackend {
             )));
         }
         let out = self.tensor(x.rows, c)?;
-        if x.rows > 0 {
-            launch!(
-                self,
-                self.k.conv1d_silu,
-                cfg(
-                    (
-                        (c as u32).div_ceil(128),
-                        (x.rows as u32).div_ceil(CONV_TOKENS)
-                    ),
-                    128,
-                    0
-                ),
-                [
-                    self.ptr(&x.buf),
-                    self.ptr(w),
-                    self.ptr(&s.window),
-                    self.ptr(&out.buf),
-                    x.rows as i32,
-                    c as i32,
-                    sh.conv_kernel as i32
-                ]
-            )?;
-        }
+        let window = self.ptr(&s.window);
+        let ptrs = [
+            self.ptr(&x.buf),
+            self.ptr(w),
+            window,
+            window,
+            self.ptr(&out.buf),
+        ];
+        self.launch_conv(ptrs, x.rows, c, sh.conv_kernel)?;
         Ok(out)
     }
 

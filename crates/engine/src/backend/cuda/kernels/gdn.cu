@@ -8,6 +8,22 @@ constexpr int MAX_CONV_K = 8;
 // quarter of them in the four-channel form).
 constexpr int CONV_TOKENS = 64;
 
+// silu(taps . h) for four channels over K consecutive inputs h[0..K) (oldest first): the conv's
+// arithmetic, shared by conv1d_silu and the chunked recurrence's prep, which convolves its own
+// loads (gdn_chunk_prep), so that both give the same bits.
+template <int K>
+__device__ __forceinline__ float4 conv_silu4(const float4 (&taps)[K], const float4* h) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        acc.x += taps[j].x * h[j].x;
+        acc.y += taps[j].y * h[j].y;
+        acc.z += taps[j].z * h[j].z;
+        acc.w += taps[j].w * h[j].w;
+    }
+    return make_float4(silu(acc.x), silu(acc.y), silu(acc.z), silu(acc.w));
+}
+
 // conv1d_silu (below) for a kernel of K taps with four channels a thread, 16 bytes a load and a
 // store: a block's 128 threads are four runs of CONV_TOKENS / 4 tokens over its 128 channels. A
 // channel a thread kept four tokens' 4-byte loads in flight and read ~2 TB/s over a 4,096-token
@@ -15,8 +31,8 @@ constexpr int CONV_TOKENS = 64;
 // arithmetic per value as the channel-a-thread form. Needs channels % 4 == 0, 16-byte aligned
 // buffers and 128 threads a block.
 template <int K>
-__device__ __forceinline__ void conv1d_silu_x4(const float* __restrict__ x, const float* w, float* window,
-                                               float* __restrict__ y, int tokens, int channels) {
+__device__ __forceinline__ void conv1d_silu_x4(const float* __restrict__ x, const float* w, const float* window,
+                                               float* window_out, float* __restrict__ y, int tokens, int channels) {
     constexpr int RUN = CONV_TOKENS / 4;
     const int c = blockIdx.x * blockDim.x + 4 * (threadIdx.x & 31);
     const int t0 = blockIdx.y * CONV_TOKENS + (threadIdx.x >> 5) * RUN, t1 = min(t0 + RUN, tokens);
@@ -49,21 +65,12 @@ __device__ __forceinline__ void conv1d_silu_x4(const float* __restrict__ x, cons
         for (int u = 0; u < LOADS; ++u) {
             if (t + u >= t1) break;
             h[K - 1] = next[u];
-            float4 acc = zero;
-#pragma unroll
-            for (int j = 0; j < K; ++j) {
-                acc.x += taps[j].x * h[j].x;
-                acc.y += taps[j].y * h[j].y;
-                acc.z += taps[j].z * h[j].z;
-                acc.w += taps[j].w * h[j].w;
-            }
-            *reinterpret_cast<float4*>(y + (size_t)(t + u) * channels + c) =
-                make_float4(silu(acc.x), silu(acc.y), silu(acc.z), silu(acc.w));
+            *reinterpret_cast<float4*>(y + (size_t)(t + u) * channels + c) = conv_silu4<K>(taps, h);
 #pragma unroll
             for (int j = 0; j + 1 < K; ++j) h[j] = h[j + 1];
         }
     }
-    if (!keeper) return;
+    if (!keeper || !window_out) return;
     // The new window: entries tokens .. tokens + K - 2 of [old window | x].
 #pragma unroll
     for (int j = 0; j < K - 1; ++j) {
@@ -76,21 +83,22 @@ __device__ __forceinline__ void conv1d_silu_x4(const float* __restrict__ x, cons
             for (int m = 0; m < K - 1; ++m)
                 if (m == tokens + j) v = old[m];
         }
-        *reinterpret_cast<float4*>(window + (size_t)j * channels + c) = v;
+        *reinterpret_cast<float4*>(window_out + (size_t)j * channels + c) = v;
     }
 }
 
 // y[t][c] = silu(sum_j w[j][c] * h[t + j]) where h is the window (the last K-1 inputs, oldest
 // first) followed by x. One thread per (channel, run of CONV_TOKENS tokens): blockIdx.y picks the
 // run. Only the first run's threads read the window, and they alone replace it with the last
-// K-1 inputs afterwards, so no thread reads a window entry another has written. Launch with
-// 128 threads and (ceil(channels / 128), ceil(tokens / CONV_TOKENS)) blocks.
+// K-1 inputs afterwards (into `window_out`, the same buffer as `window` but where the window
+// is kept elsewhere: null writes none), so no thread reads a window entry another has written.
+// Launch with 128 threads and (ceil(channels / 128), ceil(tokens / CONV_TOKENS)) blocks.
 // The taps and the window are read before the wait for the previous kernel: the taps are weights,
 // and only this layer's conv writes the window, a step or chunk earlier. That launch has finished:
 // since then a whole pass through the other layers has run, including kernels that wait for
 // their predecessor before letting the next one start (grid_dep), and kernels finish in order.
-extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float* w, float* window,
-                                       float* __restrict__ y, int tokens, int channels, int k) {
+extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float* w, const float* window,
+                                       float* window_out, float* __restrict__ y, int tokens, int channels, int k) {
     pdl_launch_dependents();
     // Kernels of up to four taps (the models' four) take the vector form; larger ones, whose
     // registers would cost every launch its occupancy, keep a channel a thread.
@@ -98,9 +106,9 @@ extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float*
                                          (unsigned long long)window | (unsigned long long)y;
     if (blockDim.x == 128 && channels % 4 == 0 && (addresses & 15) == 0) {
         switch (k) {
-            case 2: return conv1d_silu_x4<2>(x, w, window, y, tokens, channels);
-            case 3: return conv1d_silu_x4<3>(x, w, window, y, tokens, channels);
-            case 4: return conv1d_silu_x4<4>(x, w, window, y, tokens, channels);
+            case 2: return conv1d_silu_x4<2>(x, w, window, window_out, y, tokens, channels);
+            case 3: return conv1d_silu_x4<3>(x, w, window, window_out, y, tokens, channels);
+            case 4: return conv1d_silu_x4<4>(x, w, window, window_out, y, tokens, channels);
         }
     }
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -133,13 +141,45 @@ extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float*
 #pragma unroll
         for (int j = 0; j + 1 < MAX_CONV_K; ++j) h[j] = h[j + 1];
     }
-    if (t0 != 0) return;
+    if (t0 != 0 || !window_out) return;
     // The new window: entries tokens .. tokens + k - 2 of [old window | x].
 #pragma unroll
     for (int j = 0; j < MAX_CONV_K; ++j)
         if (j < k - 1) {
             const int i = tokens + j - (k - 1);
-            window[(size_t)j * channels + c] = i < 0 ? old[tokens + j] : x[(size_t)i * channels + c];
+            window_out[(size_t)j * channels + c] = i < 0 ? old[tokens + j] : x[(size_t)i * channels + c];
+        }
+}
+
+// The conv's window moved on over `tokens` inputs x [tokens][channels] without the conv, for
+// a conv that its reader applies later (gdn_chunk_prep): the window before them copied to
+// `saved` (the reader's), then replaced by entries tokens .. tokens + k - 2 of [window | x], as
+// conv1d_silu replaces it. A thread a channel; ceil(channels / 256) blocks of 256 threads.
+extern "C" __global__ void conv1d_window(const float* __restrict__ x, float* window, float* __restrict__ saved,
+                                         int tokens, int channels, int k) {
+    grid_dep();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    float old[MAX_CONV_K];
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_K; ++j)
+        if (j < k - 1) {
+            old[j] = window[(size_t)j * channels + c];
+            saved[(size_t)j * channels + c] = old[j];
+        }
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_K; ++j)
+        if (j < k - 1) {
+            const int i = tokens + j - (k - 1);
+            float v = 0.f;
+            if (i >= 0) {
+                v = x[(size_t)i * channels + c];
+            } else {
+#pragma unroll
+                for (int m = 0; m < MAX_CONV_K; ++m)
+                    if (m == tokens + j) v = old[m];
+            }
+            window[(size_t)j * channels + c] = v;
         }
 }
 
@@ -436,6 +476,48 @@ __host__ __device__ constexpr int gdn_state_smem_bytes(int d) {
 
 __device__ __forceinline__ float4 scale4(float4 a, float s) { return make_float4(a.x * s, a.y * s, a.z * s, a.w * s); }
 
+// The conv that gdn_chunk_prep applies to its own loads (taps non-null; its kernel size is
+// GDN_PREP_CONV_K): qkv holds the in-projection's rows before the conv, `taps` are the conv's
+// weights [K][cols] and `window` the inputs before the prompt's first token [K - 1][cols],
+// oldest first (conv1d_window saved them). Its outputs are conv1d_silu's, bit for bit
+// (conv_silu4); the conv's launch, whose output the prep read back (2 x 134 MB at each layer of
+// a 4,096-token chunk), is gone from 512 tokens (docs/performance.md, run57).
+struct PrepConv {
+    const float* taps;
+    const float* window;
+};
+constexpr int GDN_PREP_CONV_K = 4;
+
+// RUN consecutive tokens tf .. tf + RUN - 1 of the chunk starting at token t0 (n of them real),
+// the float4 of columns [col, col + 4) of each, into out: the rows past the chunk's last token
+// zero, and with the conv, each token's conv output (its K - 1 tokens before it loaded as
+// well, from the window before the first).
+template <int RUN>
+__device__ __forceinline__ void prep_load_run(float4 (&out)[RUN], const float* qkv, const PrepConv& cv, int col,
+                                              int cols, int t0, int tf, int n) {
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto at = [&](const float* base, long long row) {
+        return *reinterpret_cast<const float4*>(base + row * cols + col);
+    };
+    if (!cv.taps) {
+#pragma unroll
+        for (int r = 0; r < RUN; ++r) out[r] = tf + r < n ? at(qkv, t0 + tf + r) : zero;
+        return;
+    }
+    constexpr int K = GDN_PREP_CONV_K;
+    float4 taps[K], h[RUN + K - 1];
+#pragma unroll
+    for (int j = 0; j < K; ++j) taps[j] = at(cv.taps, j);
+    // h[j]: the chunk's token tf - (K - 1) + j, every load issued before the first sum.
+#pragma unroll
+    for (int j = 0; j < RUN + K - 1; ++j) {
+        const int l = tf - (K - 1) + j, g = t0 + l;
+        h[j] = l >= n ? zero : g < 0 ? at(cv.window, g + K - 1) : at(qkv, g);
+    }
+#pragma unroll
+    for (int r = 0; r < RUN; ++r) out[r] = tf + r < n ? conv_silu4<K>(taps, h + r) : zero;
+}
+
 // One block per (chunk blockIdx.x, HEADS value heads HEADS blockIdx.y + j that share one key
 // head), 256 HEADS threads. The key head's q and k, their norms and the products K K^T and
 // Q K^T are the same for every value head of it, so a block of two heads does them once. Writes,
@@ -443,15 +525,17 @@ __device__ __forceinline__ float4 scale4(float4 a, float s) { return make_float4
 // and scaled as in the token loop), kd [C][D] (G[n-1][t] k_t, n the chunk's tokens), u [C][D]
 // (U'), p [C][C] and gch (gamma_{n-1}). Rows past the last token are zero.
 template <int D, int HEADS>
-__device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const float* a, const float* b,
+__device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, PrepConv cv, const float* a, const float* b,
                                                     const float* a_log, const float* dt_bias, float* wq, float* kd,
                                                     float* u, float* p, float* gch, int tokens, int hk, int hv,
                                                     float l2_eps) {
-    constexpr int THREADS = HEADS * GDN_PREP_THREADS;
+    constexpr int THREADS = HEADS * GDN_PREP_THREADS, WARPS = THREADS / 32;
     static_assert(2 * D == GDN_PREP_THREADS, "one thread per column of [K | V] and head");
     constexpr int C = GDN_C, KP = D + 4, MP = C + 4, D4 = D / 4, NT = 8 / HEADS;
-    constexpr int QK_PER_THREAD = C * D4 / THREADS;  // float4 of each of q and k
-    constexpr int V_PER_THREAD = C * D4 / GDN_PREP_THREADS;  // float4 of the heads' v
+    static_assert(D4 == 32, "a lane a float4 of a row");
+    // Each warp loads runs of consecutive tokens (with the conv, a run's first output needs the
+    // K - 1 tokens before it): QK_RUN of q and of k, V_RUN of one head's v.
+    constexpr int QK_RUN = C / WARPS, V_RUN = HEADS * C / WARPS, V_RUNS = C / V_RUN;
     extern __shared__ float4 gdn_smem4[];
     float* ks = reinterpret_cast<float*>(gdn_smem4);
     float* qs = ks + C * KP;  // q until its products are done, then head 0's v (head j's at qs + j C KP)
@@ -466,7 +550,6 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     const int kh = h0 / (hv / hk), kcols = hk * D, cols = 2 * kcols + hv * D;
     const float qscale = rsqrtf((float)D);
     const size_t blk0 = (size_t)ci * hv + h0;  // head h0 + j's outputs at blk0 + j
-    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
     auto vbuf = [&](int j) { return qs + j * C * KP; };  // head j's v, once q is done
     // Flat index e over the heads' [HEADS][C][D4] float4 of a [C][D] tile: head, token, float4.
     struct HeadTokenX {
@@ -474,25 +557,20 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     };
     auto head_token_x = [](int e) { return HeadTokenX{e / (C * D4), (e % (C * D4)) / D4, e % D4}; };
     // q and k into shared memory; v waits in registers until q's products are done.
+    {
+        const int tf = warp * QK_RUN;
+        float4 q4[QK_RUN], k4[QK_RUN];
+        prep_load_run(q4, qkv, cv, kh * D + 4 * lane, cols, t0, tf, n);
+        prep_load_run(k4, qkv, cv, kcols + kh * D + 4 * lane, cols, t0, tf, n);
 #pragma unroll
-    for (int r = 0; r < QK_PER_THREAD; ++r) {
-        const int i = tid + r * THREADS, t = i / D4, x = i % D4;
-        float4 q4 = zero, k4 = zero;
-        if (t < n) {
-            const float4* row = reinterpret_cast<const float4*>(qkv + (size_t)(t0 + t) * cols);
-            q4 = row[kh * D4 + x];
-            k4 = row[(kcols + kh * D) / 4 + x];
+        for (int r = 0; r < QK_RUN; ++r) {
+            *reinterpret_cast<float4*>(qs + (tf + r) * KP + 4 * lane) = q4[r];
+            *reinterpret_cast<float4*>(ks + (tf + r) * KP + 4 * lane) = k4[r];
         }
-        *reinterpret_cast<float4*>(qs + t * KP + 4 * x) = q4;
-        *reinterpret_cast<float4*>(ks + t * KP + 4 * x) = k4;
     }
-    float4 v4[V_PER_THREAD];
-#pragma unroll
-    for (int r = 0; r < V_PER_THREAD; ++r) {
-        const auto [j, t, x] = head_token_x(tid + r * THREADS);
-        v4[r] = t < n ? reinterpret_cast<const float4*>(qkv + (size_t)(t0 + t) * cols)[(2 * kcols + (h0 + j) * D) / 4 + x]
-                      : zero;
-    }
+    const int vj = warp / V_RUNS, vt = warp % V_RUNS * V_RUN;  // the warp's head and first token of v
+    float4 v4[V_RUN];
+    prep_load_run(v4, qkv, cv, 2 * kcols + (h0 + vj) * D + 4 * lane, cols, t0, vt, n);
     if (tid < HEADS * C) {
         const int j = tid / C, t = tid % C, h = h0 + j;
         const bool ok = t < n;
@@ -577,10 +655,7 @@ __device__ __forceinline__ void gdn_chunk_prep_impl(const float* qkv, const floa
     }
     __syncthreads();  // q has been read: the heads' v replace it
 #pragma unroll
-    for (int r = 0; r < V_PER_THREAD; ++r) {
-        const auto [j, t, x] = head_token_x(tid + r * THREADS);
-        *reinterpret_cast<float4*>(vbuf(j) + t * KP + 4 * x) = v4[r];
-    }
+    for (int r = 0; r < V_RUN; ++r) *reinterpret_cast<float4*>(vbuf(vj) + (vt + r) * KP + 4 * lane) = v4[r];
     // Each head's P = G (Q K^T) on and below the diagonal, A = beta G (K K^T) below it; A
     // replaces G once every warp has read its G. The last head's A takes acc's place.
     float av_early[HEADS > 1 ? HEADS - 1 : 1][NT][4];
@@ -944,22 +1019,23 @@ __device__ __forceinline__ void gdn_chunk_state_impl(const float* wq, const floa
 
 // Key and value dims 128. gdn_chunk_prep: (ceil(T / C), Hv) blocks of 256 threads with
 // gdn_prep_smem_bytes(128, 1); gdn_chunk_state: (Hv, 128 / R) blocks of 256 threads with
-// gdn_state_smem_bytes(128), after it on the same stream.
+// gdn_state_smem_bytes(128), after it on the same stream. qkv is the conv's output, or with
+// `cv.taps` its input (PrepConv).
 extern "C" __global__ void __launch_bounds__(GDN_PREP_THREADS, 2)
-    gdn_chunk_prep_d128(const float* qkv, const float* a, const float* b, const float* a_log, const float* dt_bias,
-                        float* wq, float* kd, float* u, float* p, float* gch, int tokens, int hk, int hv,
-                        float l2_eps) {
+    gdn_chunk_prep_d128(const float* qkv, PrepConv cv, const float* a, const float* b, const float* a_log,
+                        const float* dt_bias, float* wq, float* kd, float* u, float* p, float* gch, int tokens, int hk,
+                        int hv, float l2_eps) {
     grid_dep();
-    gdn_chunk_prep_impl<128, 1>(qkv, a, b, a_log, dt_bias, wq, kd, u, p, gch, tokens, hk, hv, l2_eps);
+    gdn_chunk_prep_impl<128, 1>(qkv, cv, a, b, a_log, dt_bias, wq, kd, u, p, gch, tokens, hk, hv, l2_eps);
 }
 // Value heads in pairs of one key head (Hv / Hk even): (ceil(T / C), Hv / 2) blocks of 512
 // threads with gdn_prep_smem_bytes(128, 2).
 extern "C" __global__ void __launch_bounds__(2 * GDN_PREP_THREADS, 1)
-    gdn_chunk_prep_d128_pairs(const float* qkv, const float* a, const float* b, const float* a_log,
+    gdn_chunk_prep_d128_pairs(const float* qkv, PrepConv cv, const float* a, const float* b, const float* a_log,
                               const float* dt_bias, float* wq, float* kd, float* u, float* p, float* gch, int tokens,
                               int hk, int hv, float l2_eps) {
     grid_dep();
-    gdn_chunk_prep_impl<128, 2>(qkv, a, b, a_log, dt_bias, wq, kd, u, p, gch, tokens, hk, hv, l2_eps);
+    gdn_chunk_prep_impl<128, 2>(qkv, cv, a, b, a_log, dt_bias, wq, kd, u, p, gch, tokens, hk, hv, l2_eps);
 }
 extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS) GDN_STATE_CLUSTER
     gdn_chunk_state_d128(const float* wq, const float* kd, const float* u, const float* p, const float* gch,
