@@ -140,6 +140,11 @@ fn backends_or_skip(test: &str) -> Option<(CpuBackend, CudaBackend)> {
     cuda_or_skip(test).map(|g| (CpuBackend::new(0).expect("cpu pool"), g))
 }
 
+/// The values' bits, for comparisons that must be exact.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
 fn close(what: &str, got: &[f32], want: &[f32]) {
     close_within(what, got, want, TOL);
 }
@@ -708,7 +713,6 @@ fn gdn_conv_left_to_the_prep_matches_the_conv_launch() {
     };
     let mut rng = StdRng::seed_from_u64(44);
     let hidden = 256;
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for sh in &GDN_SHAPES {
         let (c, hv) = (sh.conv_channels(), sh.value_heads);
         let w = qweight(&mut rng, c, hidden, 4);
@@ -1886,7 +1890,6 @@ fn values_kept_as_a_split_are_remade_from_their_own_inputs() {
         let got = down(&gpu, out);
         close(&format!("{what} remade, T={t}"), &got, want);
         let last = down(&gpu, &gpu.last_row(out).expect("last_row"));
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(
             bits(&last),
             bits(&got[(t - 1) * cols..]),

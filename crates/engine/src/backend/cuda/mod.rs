@@ -791,8 +791,8 @@ const GDN_CHUNKED_MIN_TOKENS: usize = 128;
 /// (`GDN_PREP_CONV_K`, kernels/gdn.cu; `LazyConv`).
 const GDN_PREP_CONV_K: usize = 4;
 /// Tokens from which the GDN conv is left to the chunked recurrence's prep (`LazyConv`; below,
-/// conv1d_silu runs on its own). On an H100 (run57) it took prefill +3.5% at 4,096 tokens, +2.6%
-/// at 16,384 and +0.6-0.8% at 512-1,024, and cost 1.9% at 256, where the prep is one wave of a
+/// conv1d_silu runs on its own). On an H100 (run57) it took prefill +1.55% at 4,096 tokens, +1.5%
+/// at 16,384 and +0.6-0.8% at 512-768, and cost ~1.8% at 256, where the prep is one wave of a
 /// block a head and the conv's arithmetic and conv1d_window's launch sit on its path.
 /// `LILY_CUDA_CONV_IN_PREP_MIN_TOKENS` overrides it, for A/B (down to `GDN_CHUNKED_MIN_TOKENS`;
 /// a number above any prompt turns it off).

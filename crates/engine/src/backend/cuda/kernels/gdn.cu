@@ -103,7 +103,8 @@ extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float*
     // Kernels of up to four taps (the models' four) take the vector form; larger ones, whose
     // registers would cost every launch its occupancy, keep a channel a thread.
     const unsigned long long addresses = (unsigned long long)x | (unsigned long long)w |
-                                         (unsigned long long)window | (unsigned long long)y;
+                                         (unsigned long long)window | (unsigned long long)window_out |
+                                         (unsigned long long)y;
     if (blockDim.x == 128 && channels % 4 == 0 && (addresses & 15) == 0) {
         switch (k) {
             case 2: return conv1d_silu_x4<2>(x, w, window, window_out, y, tokens, channels);
