@@ -2570,19 +2570,20 @@ impl CudaBackend {
         let chunked = self.gdn_chunked_fits(sh, t);
         // The chunked recurrence's prep takes the conv's input and applies it (`LazyConv`);
         // every other reader, the conv's output.
-        let (qkv, conv) = match &qkv.lazy {
+        let (qkv, qkv_ptr, conv) = match &qkv.lazy {
             Some(Lazy::Conv(c)) if chunked => (
                 Plain::Borrowed(qkv),
+                c.x.ptr,
                 PrepConvArg {
                     taps: c.taps,
                     window: c.window.ptr,
                 },
             ),
-            _ => (self.plain(qkv)?, PrepConvArg::default()),
-        };
-        let qkv_ptr = match &qkv.lazy {
-            Some(Lazy::Conv(c)) => c.x.ptr,
-            _ => self.ptr(&qkv.buf),
+            _ => {
+                let plain = self.plain(qkv)?;
+                let ptr = self.ptr(&plain.buf);
+                (plain, ptr, PrepConvArg::default())
+            }
         };
         let (hk, hv, dk, dv) = (sh.key_heads, sh.value_heads, sh.key_dim, sh.value_dim);
         let variant = match dk {
@@ -2682,7 +2683,7 @@ impl CudaBackend {
                 self.k.gdn_recurrence[variant],
                 cfg((hv as u32, (dv as u32).div_ceil(8)), 128, 0),
                 [
-                    self.ptr(&qkv.buf),
+                    qkv_ptr,
                     self.ptr(&a.buf),
                     self.ptr(&b.buf),
                     self.ptr(a_log),

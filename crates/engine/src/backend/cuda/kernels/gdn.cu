@@ -87,6 +87,18 @@ __device__ __forceinline__ void conv1d_silu_x4(const float* __restrict__ x, cons
     }
 }
 
+// Channel c's window after `tokens` inputs x [tokens][channels] into window_out: entries
+// tokens .. tokens + k - 2 of [old window | x], old being the window before them.
+__device__ __forceinline__ void conv_window_next(const float* __restrict__ x, const float (&old)[MAX_CONV_K],
+                                                 float* window_out, int tokens, int channels, int c, int k) {
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_K; ++j)
+        if (j < k - 1) {
+            const int i = tokens + j - (k - 1);
+            window_out[(size_t)j * channels + c] = i < 0 ? old[tokens + j] : x[(size_t)i * channels + c];
+        }
+}
+
 // y[t][c] = silu(sum_j w[j][c] * h[t + j]) where h is the window (the last K-1 inputs, oldest
 // first) followed by x. One thread per (channel, run of CONV_TOKENS tokens): blockIdx.y picks the
 // run. Only the first run's threads read the window, and they alone replace it with the last
@@ -143,13 +155,7 @@ extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float*
         for (int j = 0; j + 1 < MAX_CONV_K; ++j) h[j] = h[j + 1];
     }
     if (t0 != 0 || !window_out) return;
-    // The new window: entries tokens .. tokens + k - 2 of [old window | x].
-#pragma unroll
-    for (int j = 0; j < MAX_CONV_K; ++j)
-        if (j < k - 1) {
-            const int i = tokens + j - (k - 1);
-            window_out[(size_t)j * channels + c] = i < 0 ? old[tokens + j] : x[(size_t)i * channels + c];
-        }
+    conv_window_next(x, old, window_out, tokens, channels, c, k);
 }
 
 // The conv's window moved on over `tokens` inputs x [tokens][channels] without the conv, for
@@ -168,20 +174,7 @@ extern "C" __global__ void conv1d_window(const float* __restrict__ x, float* win
             old[j] = window[(size_t)j * channels + c];
             saved[(size_t)j * channels + c] = old[j];
         }
-#pragma unroll
-    for (int j = 0; j < MAX_CONV_K; ++j)
-        if (j < k - 1) {
-            const int i = tokens + j - (k - 1);
-            float v = 0.f;
-            if (i >= 0) {
-                v = x[(size_t)i * channels + c];
-            } else {
-#pragma unroll
-                for (int m = 0; m < MAX_CONV_K; ++m)
-                    if (m == tokens + j) v = old[m];
-            }
-            window[(size_t)j * channels + c] = v;
-        }
+    conv_window_next(x, old, window, tokens, channels, c, k);
 }
 
 // The gated delta rule for value head blockIdx.x, state rows [blockIdx.y * 8, +8), token by
