@@ -1704,6 +1704,107 @@ fn router_product_with_its_routing_matches() {
     }
 }
 
+#[test]
+fn many_tokens_routed_from_a_router_product_in_parts_match() {
+    let Some((cpu, gpu)) =
+        backends_or_skip("many_tokens_routed_from_a_router_product_in_parts_match")
+    else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(32);
+    // (experts, top_k, hidden, router bits, shared gate bits, renormalise). From 8 tokens the
+    // router's and the shared gate's products run on the tensor cores in one launch, split along
+    // K into as many parts as fill the GPU where their tiles would not (for the 35B shape 8 parts
+    // of 4 groups at 8 and 70 tokens, 3 of 11, 11 and 10 at 1,100; one group: one part; 9
+    // groups: parts of 5 and 4), and moe_route adds the parts of both. Router and gate of different widths
+    // take two launches, unsplit.
+    for (e, k, hidden, router_bits, gate_bits, renorm) in [
+        (256, 8, 2048, 8, 8, true),
+        (8, 4, 192, 4, 4, true),
+        (32, 8, 64, 8, 8, false),
+        (512, 10, 2048, 8, 8, true),
+        (300, 10, 576, 8, 4, false),
+    ] {
+        let router = qweight(&mut rng, e, hidden, router_bits);
+        let gate = qweight(&mut rng, 1, hidden, gate_bits);
+        let (mut compared, mut tokens) = (0, 0);
+        for t in [8, 70, 1100] {
+            let x = randn(&mut rng, t * hidden, 1.0);
+            let what =
+                format!("E={e} k={k} hidden {hidden} q{router_bits} gate q{gate_bits} T={t}");
+            let (rc, gc) = cpu
+                .route_tokens(
+                    &up(&cpu, &x, t, hidden),
+                    &clone_q(&router),
+                    &clone_q(&gate),
+                    k,
+                    renorm,
+                )
+                .expect("route_tokens");
+            let gpu_router = gpu.upload_qmatrix(clone_q(&router)).expect("router");
+            let gpu_gate = gpu.upload_qmatrix(clone_q(&gate)).expect("gate");
+            let route = || {
+                let (rt, gl) = gpu
+                    .route_tokens(&up(&gpu, &x, t, hidden), &gpu_router, &gpu_gate, k, renorm)
+                    .expect("route_tokens");
+                let (ids, weights) = gpu.routing(&rt).expect("routing");
+                let ids = gpu.download_buf(ids).expect("ids");
+                let weights = gpu.download_buf(weights).expect("weights");
+                (ids, weights, down(&gpu, &gl))
+            };
+            let (ids, weights, gate_logits) = route();
+            close(
+                &format!("shared gate logit {what}"),
+                &gate_logits,
+                &down(&cpu, &gc),
+            );
+            // The parts add in a fixed order: the same bits every time.
+            let again = route();
+            assert_eq!(ids, again.0, "ids read twice {what}");
+            assert_eq!(bits(&weights), bits(&again.1), "weights read twice {what}");
+            assert_eq!(bits(&gate_logits), bits(&again.2), "gate read twice {what}");
+            // The chosen experts compared where the reference's k-th and (k+1)-th logits are
+            // further apart than the products' rounding can move them.
+            let logits = qmatmul_on(&cpu, &router, &x, t);
+            let (mut want_w, mut got_w) = (Vec::new(), Vec::new());
+            tokens += t;
+            for tok in 0..t {
+                let mut row = logits[tok * e..(tok + 1) * e].to_vec();
+                row.sort_by(|a, b| b.total_cmp(a));
+                let scale = row[0].abs().max(row[e - 1].abs()).max(1.0);
+                if k < e && row[k - 1] - row[k] < 1e-4 * scale {
+                    continue;
+                }
+                compared += 1;
+                // The chosen set, by id: two chosen experts whose logits nearly tie may come in
+                // either order.
+                let span = tok * k..(tok + 1) * k;
+                let mut got: Vec<(u32, f32)> = ids[span.clone()]
+                    .iter()
+                    .map(|&i| i as u32)
+                    .zip(weights[span.clone()].iter().copied())
+                    .collect();
+                let mut want: Vec<(u32, f32)> = rc.ids[span.clone()]
+                    .iter()
+                    .copied()
+                    .zip(rc.weights[span].iter().copied())
+                    .collect();
+                got.sort_by_key(|p| p.0);
+                want.sort_by_key(|p| p.0);
+                let ids_of = |v: &[(u32, f32)]| v.iter().map(|p| p.0).collect::<Vec<_>>();
+                assert_eq!(ids_of(&got), ids_of(&want), "routing ids {what} token {tok}");
+                got_w.extend(got.iter().map(|p| p.1));
+                want_w.extend(want.iter().map(|p| p.1));
+            }
+            close(&format!("routing weights {what}"), &got_w, &want_w);
+        }
+        assert!(
+            compared * 20 >= tokens * 19,
+            "E={e} k={k}: only {compared} of {tokens} tokens had a clear k-th expert"
+        );
+    }
+}
+
 /// `t`'s products, from the split that the op which wrote `t` wrote with it (or without one,
 /// `split` false), against the products of the same values uploaded afresh, which the split pass
 /// splits: bit for bit the same, as a split has the same bits whichever kernel wrote it.

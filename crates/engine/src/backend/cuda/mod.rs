@@ -798,6 +798,12 @@ const GDN_PREP_CONV_K: usize = 4;
 /// a number above any prompt turns it off).
 pub const CONV_IN_PREP_MIN_TOKENS: usize = 512;
 
+/// 64-column groups each part of a many-token router product takes at the fewest, where it is
+/// split along K to fill the GPU (`route_tokens_in_parts`). `LILY_CUDA_ROUTER_PART_MIN_GROUPS`
+/// overrides it, for A/B; 0 computes the router and the shared expert's gate in one unsplit
+/// product, as before.
+pub const ROUTER_PART_MIN_GROUPS: usize = 4;
+
 /// Dynamic shared memory of `gdn_chunk_prep` (`heads` value heads a block) and `gdn_chunk_state`
 /// for key/value dim `d`
 /// (`gdn_prep_smem_bytes`, `gdn_state_smem_bytes`, kernels/gdn.cu; the kernels trap if a launch
@@ -865,6 +871,9 @@ pub struct CudaBackend {
     /// Tokens from which the GDN conv is left to the chunked recurrence's prep
     /// (`CONV_IN_PREP_MIN_TOKENS`).
     conv_in_prep_min_tokens: usize,
+    /// Groups a part of the router's product takes at the fewest (`ROUTER_PART_MIN_GROUPS`;
+    /// 0: the router and the shared expert's gate in one product, as before).
+    router_part_min_groups: usize,
     /// While profiling: every launch, for replay in isolation.
     trace: Mutex<Option<Vec<Traced>>>,
     /// The kernel family left out of recorded decode steps (`leave_out_of_decode`).
@@ -1165,6 +1174,18 @@ struct QMatArg {
 
 // SAFETY: repr(C), three u64, no padding.
 unsafe impl bytemuck::NoUninit for QMatArg {}
+
+/// A `SharedGate` kernel parameter (kernels/quant.cu): the partial sums of the shared expert's
+/// gate logits that `moe_route` adds, and where the sums go; both zero for none.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SharedGateArg {
+    parts_in: u64,
+    out: u64,
+}
+
+// SAFETY: repr(C), two u64, no padding.
+unsafe impl bytemuck::NoUninit for SharedGateArg {}
 
 /// Quantization widths with a kernel: index into the `[q4, q8]` kernel pairs.
 fn bits_index(bits: u32, name: &str) -> Result<usize> {
@@ -1597,6 +1618,10 @@ impl CudaBackend {
                 .and_then(|v| v.parse::<usize>().ok())
                 .unwrap_or(CONV_IN_PREP_MIN_TOKENS)
                 .max(GDN_CHUNKED_MIN_TOKENS),
+            router_part_min_groups: std::env::var("LILY_CUDA_ROUTER_PART_MIN_GROUPS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(ROUTER_PART_MIN_GROUPS),
             trace: Mutex::new(None),
             left_out: OnceLock::new(),
             tracing: AtomicBool::new(false),
@@ -1767,6 +1792,19 @@ impl CudaBackend {
     /// `moe_route` over `rt.tokens` rows of `rt.num_experts` logits at `logits`, into `rt.ids`
     /// and `rt.weights`: one warp a token.
     fn launch_route(&self, logits: u64, rt: &CudaRouting, renormalize: bool) -> Result<()> {
+        self.launch_route_parts(logits, 1, rt, renormalize, SharedGateArg::default())
+    }
+
+    /// `moe_route` over logits left in `parts` partial sums (`qmma_parts`), adding the shared
+    /// expert's gate logits' parts too when `gate` has them.
+    fn launch_route_parts(
+        &self,
+        logits: u64,
+        parts: usize,
+        rt: &CudaRouting,
+        renormalize: bool,
+        gate: SharedGateArg,
+    ) -> Result<()> {
         if rt.tokens == 0 {
             return Ok(());
         }
@@ -1776,13 +1814,63 @@ impl CudaBackend {
             cfg((rt.tokens as u32, 1), 32, 0),
             [
                 logits,
+                parts as i32,
                 self.ptr(&rt.ids),
                 self.ptr(&rt.weights),
                 rt.num_experts as i32,
                 rt.top_k as i32,
-                renormalize as i32
+                renormalize as i32,
+                gate
             ]
         )
+    }
+
+    /// Room for `tokens` tokens' routing to `top_k` of `experts`, which `moe_route` writes.
+    fn routing_of(&self, tokens: usize, top_k: usize, experts: usize) -> Result<CudaRouting> {
+        Ok(CudaRouting {
+            ids: self.tmp::<i32>(tokens * top_k)?,
+            weights: self.tmp::<f32>(tokens * top_k)?,
+            tokens,
+            top_k,
+            num_experts: experts,
+            deferred: Cell::new(None),
+        })
+    }
+
+    /// Many tokens' routing: the router's and the shared expert's gate products (one launch)
+    /// split along K into parts that fill the GPU where their tiles would not: at 256 tokens
+    /// they made 32 blocks, each walking all 32 groups, on 132 SMs. `moe_route` adds the parts
+    /// of both. Unsplit (many tokens), this is `route_tokens_separately`.
+    fn route_tokens_in_parts(
+        &self,
+        h: &CudaTensor,
+        router: &CudaQMatrix,
+        shared_gate: &CudaQMatrix,
+        top_k: usize,
+        renormalize: bool,
+    ) -> Result<(CudaRouting, CudaTensor)> {
+        let split = self.split_of(h)?;
+        let t = h.rows;
+        let (outs, parts) = self.qmma_parts(
+            &split,
+            h.cols,
+            &[router, shared_gate],
+            t,
+            self.router_part_min_groups,
+        )?;
+        let [logits, gate_parts] = products(outs)?;
+        let rt = self.routing_of(t, top_k, router.rows)?;
+        if parts == 1 {
+            self.launch_route(self.ptr(&logits.buf), &rt, renormalize)?;
+            return Ok((rt, gate_parts));
+        }
+        let gate_logit = self.tensor(t, 1)?;
+        let gate = SharedGateArg {
+            parts_in: self.ptr(&gate_parts.buf),
+            out: self.ptr(&gate_logit.buf),
+        };
+        self.launch_route_parts(self.ptr(&logits.buf), parts, &rt, renormalize, gate)?;
+        Ok((rt, gate_logit))
     }
 
     /// Launches `f` on the stream (through `launch!`, which lists the arguments).
@@ -2345,6 +2433,22 @@ impl CudaBackend {
         ws: &[&CudaQMatrix],
         tokens: usize,
     ) -> Result<Vec<CudaTensor>> {
+        self.qmma_parts(x, cols, ws, tokens, 0)
+            .map(|(outs, _)| outs)
+    }
+
+    /// `qmma`, and with `part_min_groups` > 0 split along K where its tiles would leave SMs
+    /// idle: into as many parts as fill them, of at least that many 64-column groups each
+    /// (`DenseTiles`, kernels/qmma.cu). Each output then holds the parts' partial sums stacked,
+    /// `[parts * tokens][rows]`, for a reader that adds them (`moe_route`); returns the parts.
+    fn qmma_parts(
+        &self,
+        x: &Split,
+        cols: usize,
+        ws: &[&CudaQMatrix],
+        tokens: usize,
+        part_min_groups: usize,
+    ) -> Result<(Vec<CudaTensor>, usize)> {
         let b = bits_index(ws[0].bits, &ws[0].name)?;
         let full = &self.k.products.main;
         let blocks: usize = ws
@@ -2352,14 +2456,24 @@ impl CudaBackend {
             .map(|w| w.rows.div_ceil(full.rows as usize) * tokens.div_ceil(full.slots as usize))
             .sum();
         let p = self.k.products.pick(blocks, b, self.sms);
-        let (batch, row_blocks, outs) = self.qbatch(cols, ws, p.rows as usize, tokens)?;
+        let row_tiles: usize = ws.iter().map(|w| w.rows.div_ceil(p.rows as usize)).sum();
+        let tiles = row_tiles * tokens.div_ceil(p.slots as usize);
+        // Parts of part_groups groups (the last may have fewer), a grid row each.
+        let groups = cols / 64;
+        let wanted = match part_min_groups {
+            0 => 1,
+            min => (p.per_sm[b] * self.sms / tiles.max(1)).min(groups / min),
+        };
+        let part_groups = groups.div_ceil(wanted.max(1)).max(1);
+        let parts = groups.div_ceil(part_groups).max(1);
+        let (batch, row_blocks, outs) = self.qbatch(cols, ws, p.rows as usize, parts * tokens)?;
         if tokens > 0 && row_blocks > 0 {
-            let tiles = row_blocks as usize * tokens.div_ceil(p.slots as usize);
+            let least_groups = groups - (parts - 1) * part_groups;
             launch!(
                 self,
                 p.dense[b],
                 cfg(
-                    (p.blocks(tiles, cols / 64, b, self.sms), 1),
+                    (p.blocks(tiles, least_groups, b, self.sms), parts as u32),
                     p.threads,
                     p.smem[b]
                 ),
@@ -2369,7 +2483,8 @@ impl CudaBackend {
                     x.lo.ptr,
                     x.sum.ptr,
                     tokens as i32,
-                    cols as i32
+                    cols as i32,
+                    (part_groups * 64) as i32
                 ],
                 bytes = ws
                     .iter()
@@ -2377,7 +2492,7 @@ impl CudaBackend {
                     .sum::<u64>()
             )?;
         }
-        Ok(outs)
+        Ok((outs, parts))
     }
 
     /// The expert products of `moe` on the tensor cores: the pairs (and the shared expert's
@@ -4339,14 +4454,7 @@ impl Backend for CudaBackend {
         let e = logits.cols;
         check_routing(e, top_k)?;
         let t = logits.rows;
-        let rt = CudaRouting {
-            ids: self.tmp::<i32>(t * top_k)?,
-            weights: self.tmp::<f32>(t * top_k)?,
-            tokens: t,
-            top_k,
-            num_experts: e,
-            deferred: Cell::new(None),
-        };
+        let rt = self.routing_of(t, top_k, e)?;
         self.launch_route(self.ptr(&logits.buf), &rt, renormalize)?;
         Ok(rt)
     }
@@ -4361,6 +4469,12 @@ impl Backend for CudaBackend {
     ) -> Result<(CudaRouting, CudaTensor)> {
         let e = router.rows;
         check_routing(e, top_k)?;
+        if h.rows >= MMA_MIN_TOKENS
+            && self.router_part_min_groups > 0
+            && router.bits == shared_gate.bits
+        {
+            return self.route_tokens_in_parts(h, router, shared_gate, top_k, renormalize);
+        }
         // One token: both products in one launch, the routing left to the expert gate/up
         // kernel that reads it (`CudaRouting::deferred`).
         if h.rows != 1 || router.bits != shared_gate.bits {

@@ -129,11 +129,22 @@ struct TileSlots {
     float* yrow[TC_BN];
 };
 
-// A tile of a product: rows [n0, n0 + the core's tile rows) of w, a rows x cols matrix.
+// A tile of a product: rows [n0, n0 + the core's tile rows) of w, a rows x ld matrix, over its
+// columns [k0, k0 + cols) (all of them unless the product is split along K; see DenseTiles).
 struct TileJob {
     QMat w;
-    int n0, rows, cols;
+    int n0, rows, cols, k0, ld;
 };
+
+// A tile's weights and activations from column k0 on: w's rows keep their length (ld), so only
+// the starts move (k0 is a multiple of 64: a whole group).
+template <int BITS>
+__device__ __forceinline__ QMat from_column(QMat w, int k0) {
+    return {w.codes + (size_t)k0 * BITS / 32, w.scales + (k0 >> 6), w.biases + (k0 >> 6)};
+}
+__device__ __forceinline__ SplitX from_column(SplitX x, int k0) {
+    return {x.hi + k0, x.lo + k0, x.sum + (k0 >> 6), x.ld};
+}
 
 // The slots, then two groups (the one being multiplied and the next, written meanwhile). 75 KiB:
 // dynamic shared memory (TC_SMEM_BYTES in mod.rs; each kernel checks that it got enough).
@@ -162,9 +173,9 @@ struct TcStage {
 
 template <int BITS>
 __device__ __forceinline__ void tc_load(TcStage<BITS>& st, QMat w, SplitX x, const TcSmem& sm, int n0, int rows,
-                                        int cols, int g) {
+                                        int ld, int g) {
     const int tid = threadIdx.x;
-    const size_t words = (size_t)cols * BITS / 32;
+    const size_t words = (size_t)ld * BITS / 32;
 #pragma unroll
     for (int j = 0; j < TcStage<BITS>::BLOCKS; ++j) {
         const int blk = tid + j * TC_THREADS, r = blk >> 3, bi = blk & 7;
@@ -176,7 +187,7 @@ __device__ __forceinline__ void tc_load(TcStage<BITS>& st, QMat w, SplitX x, con
     const int r = tid;
     st.s = st.b = 0;
     if (r < TC_BM && n0 + r < rows) {
-        const size_t gi = (size_t)(n0 + r) * (cols >> 6) + g;
+        const size_t gi = (size_t)(n0 + r) * (ld >> 6) + g;
         st.s = __ldg(w.scales + gi);
         st.b = __ldg(w.biases + gi);
     }
@@ -214,9 +225,10 @@ __device__ __forceinline__ void tc_store(const TcStage<BITS>& st, TcGroup& sm) {
 }
 
 // The block's 128 rows [n0, n0 + 128) of `rows` against its slots (set in sm.slots, and
-// synchronised, by the caller) over `cols` columns; results written to the slots' rows.
+// synchronised, by the caller) over `cols` columns (of w's rows of ld); results written to the
+// slots' rows.
 template <int BITS>
-__device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0, int rows, int cols) {
+__device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0, int rows, int cols, int ld) {
     constexpr int MI = TC_BM / 32;  // 16-row tiles per warp
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp & 1, wn = warp >> 1;  // warp tile: rows wm * 64.., slots wn * 16..
@@ -227,11 +239,11 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
     float acc[MI][2][4] = {};
     TcStage<BITS> st;
     const int groups = cols >> 6;
-    tc_load<BITS>(st, w, x, sm, n0, rows, cols, 0);
+    tc_load<BITS>(st, w, x, sm, n0, rows, ld, 0);
     tc_store<BITS>(st, sm.group[0]);
     __syncthreads();
     for (int g = 0; g < groups; ++g) {
-        if (g + 1 < groups) tc_load<BITS>(st, w, x, sm, n0, rows, cols, g + 1);
+        if (g + 1 < groups) tc_load<BITS>(st, w, x, sm, n0, rows, ld, g + 1);
         const TcGroup& cur = sm.group[g & 1];
         float d[MI][2][4] = {};
 #pragma unroll
@@ -410,19 +422,19 @@ struct WgCopies {
     u32 codes_at[CH / 2];
     int sum = -1;       // the slot's sums of groups 8c .. 8c + 7 (c = tid % 8), into sums
 
-    __device__ __forceinline__ WgCopies(int row, SplitX x_, int n0, int rows, int cols) {
-        const int tid = threadIdx.x;
+    __device__ __forceinline__ WgCopies(int row, SplitX x_, const TileJob& j_) {
+        const int tid = threadIdx.x, n0 = j_.n0, rows = j_.rows, k0 = j_.k0;
         if (tid < 8 * N) {
             const int s = tid >> 3, c = tid & 7;
-            x = row >= 0 ? row * x_.ld + c * 8 : -1;
+            x = row >= 0 ? row * x_.ld + k0 + c * 8 : -1;
             x_at = 2 * wg_x_at(s, c);
-            sum = row >= 0 && 8 * c < (cols >> 6) ? row * (x_.ld >> 6) + 8 * c : -1;
+            sum = row >= 0 && 8 * c < (j_.cols >> 6) ? row * (x_.ld >> 6) + (k0 >> 6) + 8 * c : -1;
         }
-        const int words = cols * BITS / 32;
+        const int words = j_.ld * BITS / 32;
 #pragma unroll
         for (int j = 0; j < CH / 2; ++j) {
             const int i = tid + j * WG_THREADS, r = i / CH, c = i % CH;
-            codes[j] = n0 + r < rows ? (n0 + r) * words + c * 4 : -1;
+            codes[j] = n0 + r < rows ? (n0 + r) * words + k0 * BITS / 32 + c * 4 : -1;
             codes_at[j] = 4 * (r * CH + wg_chunk<CH>(r, c)) * 4;
         }
     }
@@ -592,19 +604,19 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
             sm.slots[k & 1].yrow[tid] = yrow;
         }
         if (tid < 8 * N) jobs.slot(t, tid >> 3, xrow, yrow);
-        return WgCopies<BITS, N>(xrow, x, lj.n0, lj.rows, lj.cols);
+        return WgCopies<BITS, N>(xrow, x, lj);
     };
     // The scales (its first group's are read as the tile starts) and biases (read at its end) of
     // the thread's rows of a tile toward L2, as the tile's copies begin.
     auto rows_to_l2 = [&](const TileJob& tj) {
         if (cq != 0) return;
-        const int groups = tj.cols >> 6;
+        const size_t row_groups = tj.ld >> 6;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = tj.n0 + r + 8 * h;
             if (row < tj.rows) {
-                prefetch_l2(tj.w.scales + (size_t)row * groups);
-                prefetch_l2(tj.w.biases + (size_t)row * groups);
+                prefetch_l2(tj.w.scales + row * row_groups + (tj.k0 >> 6));
+                prefetch_l2(tj.w.biases + row * row_groups + (tj.k0 >> 6));
             }
         }
     };
@@ -652,10 +664,11 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
     for (int k = 0; tile < count; tile = next_tile(jobs, tile + gridDim.x, count), ++k) {
         const TileJob j = jobs.job(tile);
         const int groups = j.cols >> 6;
-        // Rows r and r + 8's scales, loaded one group ahead of their use (a row past the matrix
-        // reads row 0's: its results are never written).
-        const u32 at0 = (u32)(j.n0 + r < j.rows ? j.n0 + r : 0) * groups;  // rows * groups < 2^32
-        const u32 at1 = (u32)(j.n0 + r + 8 < j.rows ? j.n0 + r + 8 : 0) * groups;
+        // Rows r and r + 8's scales from the tile's first group, loaded one group ahead of their
+        // use (a row past the matrix reads row 0's: its results are never written).
+        const u32 row_groups = j.ld >> 6, g0 = j.k0 >> 6;  // rows * row_groups < 2^32
+        const u32 at0 = (u32)(j.n0 + r < j.rows ? j.n0 + r : 0) * row_groups + g0;
+        const u32 at1 = (u32)(j.n0 + r + 8 < j.rows ? j.n0 + r + 8 : 0) * row_groups + g0;
         u16 s0 = __ldg(j.w.scales + at0), s1 = __ldg(j.w.scales + at1);
         float acc[N / 2] = {};
         for (int g = 0; g < groups; ++g) {
@@ -696,7 +709,7 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
             if (++cs == S) cs = 0, cpar ^= 1;
         }
         const TileSlots& sl = sm.slots[k & 1];
-        wg_bias_product<BITS, N>(acc, j.w, x, sm, sl, k, at0, at1, groups, cq);
+        wg_bias_product<BITS, N>(acc, j.w, from_column(x, j.k0), sm, sl, k, at0, at1, groups, cq);
 #pragma unroll
         for (int jj = 0; jj < N / 8; ++jj)
 #pragma unroll
@@ -726,7 +739,7 @@ __device__ __forceinline__ void tc_tiles(const Jobs& jobs, SplitX x) {
     if (threadIdx.x < TC_BN) jobs.slot(tile, threadIdx.x, sm.slots.xrow[threadIdx.x], sm.slots.yrow[threadIdx.x]);
     __syncthreads();
     const TileJob j = jobs.job(tile);
-    tc_product<BITS>(j.w, x, sm, j.n0, j.rows, j.cols);
+    tc_product<BITS>(from_column<BITS>(j.w, j.k0), from_column(x, j.k0), sm, j.n0, j.rows, j.cols, j.ld);
 }
 
 // Every product kernel computes the tiles of a `Jobs`, which says for tile i (0 <= i < count())
@@ -741,11 +754,15 @@ __device__ __forceinline__ void product_tiles(const Jobs& jobs, SplitX x) {
 
 // The dense products y_m[t][n] = sum_k w_m[n][k] * x[t][k] of the batch's matrices m (up to four,
 // one launch: the products of one input), x split: tile i is row tile i % first_block[4] (matrix
-// m's first_block[m].. taking its rows BM at a time) of token tile i / first_block[4].
+// m's first_block[m].. taking its rows BM at a time) of token tile i / first_block[4]. Split along
+// K (a product too small to fill the GPU, the router, in more blocks that each walk fewer groups),
+// the blocks of grid row `part` take columns [part * part_cols, + part_cols) and write their
+// partial sums to y_m + part * tokens * rows_m, for a reader that adds the parts in order
+// (moe_route); unsplit, part_cols = cols and the grid has one row.
 template <int N, int BM>
 struct DenseTiles {
     const QBatch& b;
-    int tokens, cols;
+    int tokens, cols, part_cols, part;
 
     __device__ __forceinline__ int count() const { return b.first_block[4] * ((tokens + N - 1) / N); }
     __device__ __forceinline__ bool empty(int) const { return false; }
@@ -755,13 +772,14 @@ struct DenseTiles {
         return m;
     }
     __device__ __forceinline__ TileJob job(int i) const {
-        const int rt = i % b.first_block[4], m = matrix(rt);
-        return {{b.codes[m], b.scales[m], b.biases[m]}, (rt - b.first_block[m]) * BM, b.rows[m], cols};
+        const int rt = i % b.first_block[4], m = matrix(rt), k0 = part * part_cols;
+        return {{b.codes[m], b.scales[m], b.biases[m]}, (rt - b.first_block[m]) * BM, b.rows[m], min(part_cols, cols - k0),
+                k0, cols};
     }
     __device__ __forceinline__ void slot(int i, int s, int& xrow, float*& yrow) const {
         const int m = matrix(i % b.first_block[4]), t = i / b.first_block[4] * N + s;
         xrow = t < tokens ? t : -1;
-        yrow = b.y[m] + (size_t)t * b.rows[m];
+        yrow = b.y[m] + ((size_t)part * tokens + t) * b.rows[m];
     }
 };
 
@@ -770,13 +788,15 @@ struct DenseTiles {
     __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? WG_BLOCKS_PER_SM(BITS, N) : 2)
 
 // q4_mma, q8_mma (any sm_80+) and q4_wgmma, q8_wgmma, q4_wgmma_n16, q8_wgmma_n16 (sm_90a):
-// DenseTiles, cols a multiple of 64. Launch with the core's threads (mma 256, wgmma 512) and a
-// block per tile (wgmma: or fewer, see wg_tiles).
+// DenseTiles, cols and part_cols multiples of 64. Launch with the core's threads (mma 256, wgmma
+// 512), a block per tile (wgmma: or fewer, see wg_tiles) and a grid row per part of the columns
+// (ceil(cols / part_cols) of them).
 #define QMMA_DENSE(BITS, NAME, WG, N)                                                                               \
-    extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N)                                                             \
-        q##BITS##_##NAME(QBatch b, const u16* xh, const u16* xl, const float* xsum, int tokens, int cols) {         \
+    extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N) q##BITS##_##NAME(                                           \
+        QBatch b, const u16* xh, const u16* xl, const float* xsum, int tokens, int cols, int part_cols) {           \
         grid_dep();                                                                                                 \
-        product_tiles<BITS, WG, N>(DenseTiles<N, tile_rows<WG>()>{b, tokens, cols}, {xh, xl, xsum, cols});         \
+        const DenseTiles<N, tile_rows<WG>()> jobs{b, tokens, cols, part_cols, (int)blockIdx.y};                     \
+        product_tiles<BITS, WG, N>(jobs, {xh, xl, xsum, cols});                                                     \
     }
 // Every product kernel family comes in these shapes: (bits, core name, wgmma core, token slots).
 #define PRODUCT_SHAPES(X) \
@@ -961,7 +981,7 @@ struct GateUpTiles : ExpertTiles<BM> {
         const int e = this->expert(i);
         const QMat w = is_up(i) ? expert_mat<BITS>(up, sup, e, this->experts, inter, hidden)
                                 : expert_mat<BITS>(gate, sgate, e, this->experts, inter, hidden);
-        return {w, n0(i), rows(e), hidden};
+        return {w, n0(i), rows(e), hidden, 0, hidden};
     }
     __device__ __forceinline__ void slot(int i, int s, int& xrow, float*& yrow) const {
         int p;
@@ -981,8 +1001,9 @@ struct DownTiles : ExpertTiles<BM> {
     __device__ __forceinline__ bool empty(int) const { return false; }
     __device__ __forceinline__ TileJob job(int i) const {
         const int e = this->expert(i);
-        return {expert_mat<BITS>(down, sdown, e, this->experts, hidden, inter), this->row_tile(i) * BM, hidden,
-                e == this->experts ? inter_s : inter};
+        const int cols = e == this->experts ? inter_s : inter;
+        return {expert_mat<BITS>(down, sdown, e, this->experts, hidden, inter), this->row_tile(i) * BM, hidden, cols, 0,
+                cols};
     }
     __device__ __forceinline__ void slot(int i, int s, int& xrow, float*& yrow) const {
         int p;

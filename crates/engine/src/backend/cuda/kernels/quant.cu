@@ -935,7 +935,7 @@ extern "C" __global__ void q8_embed(const u32* codes, const u16* scales, const u
 
 template <int KEYS, bool WEIGHTS = true>
 __device__ __forceinline__ void route_token(const float* l, int experts, int top_k, int renormalize, int* ids,
-                                            float* weights);
+                                            float* weights, int parts = 1, size_t part_stride = 0);
 
 // ---- the mixture-of-experts block. Pair p < pairs is token p / top_k's (p % top_k)-th chosen
 // expert ids[p]; pair pairs + t is token t's shared expert (its own matrices, `inter_s` rows).
@@ -1344,19 +1344,25 @@ __device__ __forceinline__ bool top_k_by_threshold(const u64 (&key)[KEYS], int t
 // round takes the warp's largest candidate by two redux.sync maxima (the high words, then the low
 // words of the lanes holding that high word), and the lane that held it moves its next key up.
 // The j-th expert goes to lane j (top_k <= 32), which computes its probability; the total adds
-// them in the order j = 0..k-1, as the reference.
+// them in the order j = 0..k-1, as the reference. A router product split along K leaves its
+// logits in `parts` partial sums part_stride floats apart, added here in order.
 template <int KEYS, bool WEIGHTS>
 __device__ __forceinline__ void route_token(const float* l, int experts, int top_k, int renormalize, int* ids,
-                                            float* weights) {
+                                            float* weights, int parts, size_t part_stride) {
     const unsigned full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
+    auto logit = [&](int e) {
+        float sum = l[e];
+        for (int q = 1; q < parts; ++q) sum += l[q * part_stride + e];
+        return sum;
+    };
     float v[KEYS];
     u64 key[KEYS];
     float m = NEG_INF;
 #pragma unroll
     for (int i = 0; i < KEYS; ++i) {
         const int e = lane + 32 * i;
-        v[i] = e < experts ? l[e] : NEG_INF;
+        v[i] = e < experts ? logit(e) : NEG_INF;
         key[i] = (e < experts && v[i] == v[i]) ? pack_max(v[i], e) : 0;
         m = fmaxf(m, v[i]);
     }
@@ -1396,7 +1402,7 @@ __device__ __forceinline__ void route_token(const float* l, int experts, int top
         if (lane < top_k) ids[lane] = mine;
         return;
     }
-    const float p = lane < top_k ? expf(l[mine] - m) / z : 0.f;
+    const float p = lane < top_k ? expf(logit(mine) - m) / z : 0.f;
     float total = 0.f;
     for (int j = 0; j < top_k; ++j) total += __shfl_sync(full, p, j);
     if (lane < top_k) {
@@ -1407,15 +1413,31 @@ __device__ __forceinline__ void route_token(const float* l, int experts, int top
 
 // Up to 256 experts with 8 keys a lane, up to 512 (MAX_ROUTED_EXPERTS, mod.rs) with 16.
 __device__ __forceinline__ void route_token_any(const float* l, int experts, int top_k, int renormalize, int* ids,
-                                                float* weights) {
-    if (experts <= 256) route_token<8>(l, experts, top_k, renormalize, ids, weights);
-    else route_token<16>(l, experts, top_k, renormalize, ids, weights);
+                                                float* weights, int parts, size_t part_stride) {
+    if (experts <= 256) route_token<8>(l, experts, top_k, renormalize, ids, weights, parts, part_stride);
+    else route_token<16>(l, experts, top_k, renormalize, ids, weights, parts, part_stride);
 }
 
-// The routing of each token: one warp per token.
-extern "C" __global__ void moe_route(const float* logits, int* ids, float* weights, int experts, int top_k,
-                                     int renormalize) {
+// The shared expert's gate logits of a MoE block when they come from the router's product split
+// along K: `parts` partial sums of each (tokens floats apart) at parts_in, which moe_route adds
+// into out; all zero for none.
+struct SharedGate {
+    const float* parts_in;
+    float* out;
+};
+
+// The routing of each token: one warp per token, its logits in `parts` partial sums (a router
+// product split along K; tokens x experts floats apart), and with a SharedGate the sum of its
+// shared-gate logit's parts, in the same order.
+extern "C" __global__ void moe_route(const float* logits, int parts, int* ids, float* weights, int experts,
+                                     int top_k, int renormalize, SharedGate sg) {
     grid_dep();
     const size_t t = blockIdx.x;
-    route_token_any(logits + t * experts, experts, top_k, renormalize, ids + t * top_k, weights + t * top_k);
+    if (sg.out && threadIdx.x == 0) {
+        float sum = sg.parts_in[t];
+        for (int q = 1; q < parts; ++q) sum += sg.parts_in[q * (size_t)gridDim.x + t];
+        sg.out[t] = sum;
+    }
+    route_token_any(logits + t * experts, experts, top_k, renormalize, ids + t * top_k, weights + t * top_k, parts,
+                    (size_t)gridDim.x * experts);
 }
