@@ -1792,7 +1792,11 @@ fn many_tokens_routed_from_a_router_product_in_parts_match() {
                 got.sort_by_key(|p| p.0);
                 want.sort_by_key(|p| p.0);
                 let ids_of = |v: &[(u32, f32)]| v.iter().map(|p| p.0).collect::<Vec<_>>();
-                assert_eq!(ids_of(&got), ids_of(&want), "routing ids {what} token {tok}");
+                assert_eq!(
+                    ids_of(&got),
+                    ids_of(&want),
+                    "routing ids {what} token {tok}"
+                );
                 got_w.extend(got.iter().map(|p| p.1));
                 want_w.extend(want.iter().map(|p| p.1));
             }
