@@ -1715,15 +1715,15 @@ fn many_tokens_routed_from_a_router_product_in_parts_match() {
     // (experts, top_k, hidden, router bits, shared gate bits, renormalise). From 8 tokens the
     // router's and the shared gate's products run on the tensor cores in one launch, split along
     // K into as many parts as fill the GPU where their tiles would not (for the 35B shape 8 parts
-    // of 4 groups at 8 and 70 tokens, 3 of 11, 11 and 10 at 1,100; one group: one part; 9
-    // groups: parts of 5 and 4), and moe_route adds the parts of both. Router and gate of different widths
-    // take two launches, unsplit.
+    // of 4 groups at 8 and 70 tokens, 3 of 11, 11 and 10 at 1,100; 9 groups: parts of 5 and 4;
+    // 3 groups or 1: one part), and moe_route adds the parts of both. A router and gate of
+    // different widths take two launches, unsplit.
     for (e, k, hidden, router_bits, gate_bits, renorm) in [
         (256, 8, 2048, 8, 8, true),
-        (8, 4, 192, 4, 4, true),
+        (8, 4, 192, 4, 8, true),
         (32, 8, 64, 8, 8, false),
         (512, 10, 2048, 8, 8, true),
-        (300, 10, 576, 8, 4, false),
+        (300, 10, 576, 8, 8, false),
     ] {
         let router = qweight(&mut rng, e, hidden, router_bits);
         let gate = qweight(&mut rng, 1, hidden, gate_bits);
