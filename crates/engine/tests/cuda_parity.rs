@@ -1727,22 +1727,20 @@ fn many_tokens_routed_from_a_router_product_in_parts_match() {
     ] {
         let router = qweight(&mut rng, e, hidden, router_bits);
         let gate = qweight(&mut rng, 1, hidden, gate_bits);
+        let gpu_router = gpu.upload_qmatrix(clone_q(&router)).expect("router");
+        let gpu_gate = gpu.upload_qmatrix(clone_q(&gate)).expect("gate");
         let (mut compared, mut tokens) = (0, 0);
         for t in [8, 70, 1100] {
             let x = randn(&mut rng, t * hidden, 1.0);
             let what =
                 format!("E={e} k={k} hidden {hidden} q{router_bits} gate q{gate_bits} T={t}");
-            let (rc, gc) = cpu
-                .route_tokens(
-                    &up(&cpu, &x, t, hidden),
-                    &clone_q(&router),
-                    &clone_q(&gate),
-                    k,
-                    renorm,
-                )
-                .expect("route_tokens");
-            let gpu_router = gpu.upload_qmatrix(clone_q(&router)).expect("router");
-            let gpu_gate = gpu.upload_qmatrix(clone_q(&gate)).expect("gate");
+            // The reference, as the CPU's route_tokens computes it (the products, then the
+            // routing), keeping the logits for the margins below.
+            let logits = qmatmul_on(&cpu, &router, &x, t);
+            let rc = cpu
+                .route(&up(&cpu, &logits, t, e), k, renorm)
+                .expect("route");
+            let gate_want = qmatmul_on(&cpu, &gate, &x, t);
             let route = || {
                 let (rt, gl) = gpu
                     .route_tokens(&up(&gpu, &x, t, hidden), &gpu_router, &gpu_gate, k, renorm)
@@ -1756,7 +1754,7 @@ fn many_tokens_routed_from_a_router_product_in_parts_match() {
             close(
                 &format!("shared gate logit {what}"),
                 &gate_logits,
-                &down(&cpu, &gc),
+                &gate_want,
             );
             // The parts add in a fixed order: the same bits every time.
             let again = route();
@@ -1765,7 +1763,6 @@ fn many_tokens_routed_from_a_router_product_in_parts_match() {
             assert_eq!(bits(&gate_logits), bits(&again.2), "gate read twice {what}");
             // The chosen experts compared where the reference's k-th and (k+1)-th logits are
             // further apart than the products' rounding can move them.
-            let logits = qmatmul_on(&cpu, &router, &x, t);
             let (mut want_w, mut got_w) = (Vec::new(), Vec::new());
             tokens += t;
             for tok in 0..t {
