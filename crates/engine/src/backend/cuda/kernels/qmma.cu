@@ -129,8 +129,10 @@ struct TileSlots {
     float* yrow[TC_BN];
 };
 
-// A tile of a product: rows [n0, n0 + the core's tile rows) of w, a rows x ld matrix, over its
-// columns [k0, k0 + cols) (all of them unless the product is split along K; see DenseTiles).
+// A tile of a product: rows [n0, n0 + the core's tile rows) of a rows x ld matrix, over its
+// columns [k0, k0 + cols) (all of them unless the product is split along K; see DenseTiles). w
+// starts at column k0 (from_column), so its rows are read as from column 0; x is moved by k0 where
+// it is read.
 struct TileJob {
     QMat w;
     int n0, rows, cols, k0, ld;
@@ -434,7 +436,7 @@ struct WgCopies {
 #pragma unroll
         for (int j = 0; j < CH / 2; ++j) {
             const int i = tid + j * WG_THREADS, r = i / CH, c = i % CH;
-            codes[j] = n0 + r < rows ? (n0 + r) * words + k0 * BITS / 32 + c * 4 : -1;
+            codes[j] = n0 + r < rows ? (n0 + r) * words + c * 4 : -1;
             codes_at[j] = 4 * (r * CH + wg_chunk<CH>(r, c)) * 4;
         }
     }
@@ -615,8 +617,8 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
         for (int h = 0; h < 2; ++h) {
             const int row = tj.n0 + r + 8 * h;
             if (row < tj.rows) {
-                prefetch_l2(tj.w.scales + row * row_groups + (tj.k0 >> 6));
-                prefetch_l2(tj.w.biases + row * row_groups + (tj.k0 >> 6));
+                prefetch_l2(tj.w.scales + row * row_groups);
+                prefetch_l2(tj.w.biases + row * row_groups);
             }
         }
     };
@@ -666,9 +668,9 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
         const int groups = j.cols >> 6;
         // Rows r and r + 8's scales from the tile's first group, loaded one group ahead of their
         // use (a row past the matrix reads row 0's: its results are never written).
-        const u32 row_groups = j.ld >> 6, g0 = j.k0 >> 6;  // rows * row_groups < 2^32
-        const u32 at0 = (u32)(j.n0 + r < j.rows ? j.n0 + r : 0) * row_groups + g0;
-        const u32 at1 = (u32)(j.n0 + r + 8 < j.rows ? j.n0 + r + 8 : 0) * row_groups + g0;
+        const u32 row_groups = j.ld >> 6;  // rows * row_groups < 2^32
+        const u32 at0 = (u32)(j.n0 + r < j.rows ? j.n0 + r : 0) * row_groups;
+        const u32 at1 = (u32)(j.n0 + r + 8 < j.rows ? j.n0 + r + 8 : 0) * row_groups;
         u16 s0 = __ldg(j.w.scales + at0), s1 = __ldg(j.w.scales + at1);
         float acc[N / 2] = {};
         for (int g = 0; g < groups; ++g) {
@@ -739,7 +741,7 @@ __device__ __forceinline__ void tc_tiles(const Jobs& jobs, SplitX x) {
     if (threadIdx.x < TC_BN) jobs.slot(tile, threadIdx.x, sm.slots.xrow[threadIdx.x], sm.slots.yrow[threadIdx.x]);
     __syncthreads();
     const TileJob j = jobs.job(tile);
-    tc_product<BITS>(from_column<BITS>(j.w, j.k0), from_column(x, j.k0), sm, j.n0, j.rows, j.cols, j.ld);
+    tc_product<BITS>(j.w, from_column(x, j.k0), sm, j.n0, j.rows, j.cols, j.ld);
 }
 
 // Every product kernel computes the tiles of a `Jobs`, which says for tile i (0 <= i < count())
@@ -759,7 +761,7 @@ __device__ __forceinline__ void product_tiles(const Jobs& jobs, SplitX x) {
 // the blocks of grid row `part` take columns [part * part_cols, + part_cols) and write their
 // partial sums to y_m + part * tokens * rows_m, for a reader that adds the parts in order
 // (moe_route); unsplit, part_cols = cols and the grid has one row.
-template <int N, int BM>
+template <int BITS, int N, int BM>
 struct DenseTiles {
     const QBatch& b;
     int tokens, cols, part_cols, part;
@@ -773,8 +775,8 @@ struct DenseTiles {
     }
     __device__ __forceinline__ TileJob job(int i) const {
         const int rt = i % b.first_block[4], m = matrix(rt), k0 = part * part_cols;
-        return {{b.codes[m], b.scales[m], b.biases[m]}, (rt - b.first_block[m]) * BM, b.rows[m], min(part_cols, cols - k0),
-                k0, cols};
+        return {from_column<BITS>({b.codes[m], b.scales[m], b.biases[m]}, k0), (rt - b.first_block[m]) * BM, b.rows[m],
+                min(part_cols, cols - k0), k0, cols};
     }
     __device__ __forceinline__ void slot(int i, int s, int& xrow, float*& yrow) const {
         const int m = matrix(i % b.first_block[4]), t = i / b.first_block[4] * N + s;
@@ -795,7 +797,7 @@ struct DenseTiles {
     extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N) q##BITS##_##NAME(                                           \
         QBatch b, const u16* xh, const u16* xl, const float* xsum, int tokens, int cols, int part_cols) {           \
         grid_dep();                                                                                                 \
-        const DenseTiles<N, tile_rows<WG>()> jobs{b, tokens, cols, part_cols, (int)blockIdx.y};                     \
+        const DenseTiles<BITS, N, tile_rows<WG>()> jobs{b, tokens, cols, part_cols, (int)blockIdx.y};               \
         product_tiles<BITS, WG, N>(jobs, {xh, xl, xsum, cols});                                                     \
     }
 // Every product kernel family comes in these shapes: (bits, core name, wgmma core, token slots).
