@@ -592,6 +592,7 @@ impl Kernels {
             });
             Ok(ProductShape {
                 dense,
+                dense_parts: kernels("parts_")?,
                 moe_gate_up: kernels("moe_gate_up_")?,
                 moe_down: kernels("moe_down_")?,
                 smem,
@@ -1360,6 +1361,9 @@ fn wg_smem_bytes(bits: usize, slots: usize) -> usize {
 /// they are launched.
 struct ProductShape {
     dense: [CudaFunction; 2],
+    /// The dense products split along K (`qmma_parts`), kernels of their own so that the
+    /// unsplit ones keep a tile's columns fixed at compile time.
+    dense_parts: [CudaFunction; 2],
     moe_gate_up: [CudaFunction; 2],
     moe_down: [CudaFunction; 2],
     /// `[bits]` dynamic shared memory, and the blocks an SM holds at once.
@@ -2469,28 +2473,26 @@ impl CudaBackend {
         let (batch, row_blocks, outs) = self.qbatch(cols, ws, p.rows as usize, parts * tokens)?;
         if tokens > 0 && row_blocks > 0 {
             let least_groups = groups - (parts - 1) * part_groups;
-            launch!(
-                self,
-                p.dense[b],
-                cfg(
-                    (p.blocks(tiles, least_groups, b, self.sms), parts as u32),
-                    p.threads,
-                    p.smem[b]
-                ),
-                [
-                    batch,
-                    x.hi.ptr,
-                    x.lo.ptr,
-                    x.sum.ptr,
-                    tokens as i32,
-                    cols as i32,
-                    (part_groups * 64) as i32
-                ],
-                bytes = ws
-                    .iter()
-                    .map(|w| qbytes(w.rows, w.cols, w.bits))
-                    .sum::<u64>()
-            )?;
+            // The split products run kernels of their own (`dense_parts`).
+            let (f, label) = if parts > 1 {
+                (&p.dense_parts[b], "p.dense_parts[b]")
+            } else {
+                (&p.dense[b], "p.dense[b]")
+            };
+            let grid = (p.blocks(tiles, least_groups, b, self.sms), parts as u32);
+            let args: [&dyn KernelArg; 7] = [
+                &batch,
+                &x.hi.ptr,
+                &x.lo.ptr,
+                &x.sum.ptr,
+                &(tokens as i32),
+                &(cols as i32),
+                &((part_groups * 64) as i32),
+            ];
+            let bytes = ws.iter().map(|w| qbytes(w.rows, w.cols, w.bits)).sum();
+            // SAFETY: the arguments are q*_wgmma's (kernels/qmma.cu, QMMA_DENSE_KERNEL) in order,
+            // the outputs sized by qbatch for parts * tokens rows.
+            unsafe { self.launch(f, label, cfg(grid, p.threads, p.smem[b]), &args, bytes) }?;
         }
         Ok((outs, parts))
     }

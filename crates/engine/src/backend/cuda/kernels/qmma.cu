@@ -760,8 +760,10 @@ __device__ __forceinline__ void product_tiles(const Jobs& jobs, SplitX x) {
 // K (a product too small to fill the GPU, the router, in more blocks that each walk fewer groups),
 // the blocks of grid row `part` take columns [part * part_cols, + part_cols) and write their
 // partial sums to y_m + part * tokens * rows_m, for a reader that adds the parts in order
-// (moe_route); unsplit, part_cols = cols and the grid has one row.
-template <int BITS, int N, int BM>
+// (moe_route). Only the PARTS kernels split (their grid has a row a part): unsplit, a tile's
+// columns are all of them at compile time, so the products that never split pay nothing for it
+// (the first form, one kernel for both, ran the unsplit products 0.5-1.7% slower, run59).
+template <int BITS, int N, int BM, bool PARTS>
 struct DenseTiles {
     const QBatch& b;
     int tokens, cols, part_cols, part;
@@ -774,14 +776,17 @@ struct DenseTiles {
         return m;
     }
     __device__ __forceinline__ TileJob job(int i) const {
-        const int rt = i % b.first_block[4], m = matrix(rt), k0 = part * part_cols;
-        return {from_column<BITS>({b.codes[m], b.scales[m], b.biases[m]}, k0), (rt - b.first_block[m]) * BM, b.rows[m],
-                min(part_cols, cols - k0), k0, cols};
+        const int rt = i % b.first_block[4], m = matrix(rt);
+        const QMat w{b.codes[m], b.scales[m], b.biases[m]};
+        const int n0 = (rt - b.first_block[m]) * BM;
+        if (!PARTS) return {w, n0, b.rows[m], cols, 0, cols};
+        const int k0 = part * part_cols;
+        return {from_column<BITS>(w, k0), n0, b.rows[m], min(part_cols, cols - k0), k0, cols};
     }
     __device__ __forceinline__ void slot(int i, int s, int& xrow, float*& yrow) const {
         const int m = matrix(i % b.first_block[4]), t = i / b.first_block[4] * N + s;
         xrow = t < tokens ? t : -1;
-        yrow = b.y[m] + ((size_t)part * tokens + t) * b.rows[m];
+        yrow = b.y[m] + ((size_t)(PARTS ? part : 0) * tokens + t) * b.rows[m];
     }
 };
 
@@ -790,16 +795,20 @@ struct DenseTiles {
     __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? WG_BLOCKS_PER_SM(BITS, N) : 2)
 
 // q4_mma, q8_mma (any sm_80+) and q4_wgmma, q8_wgmma, q4_wgmma_n16, q8_wgmma_n16 (sm_90a):
-// DenseTiles, cols and part_cols multiples of 64. Launch with the core's threads (mma 256, wgmma
-// 512), a block per tile (wgmma: or fewer, see wg_tiles) and a grid row per part of the columns
-// (ceil(cols / part_cols) of them).
-#define QMMA_DENSE(BITS, NAME, WG, N)                                                                               \
+// DenseTiles, cols a multiple of 64, one grid row; and q4_parts_mma, ... (the same shapes) split
+// along K, part_cols a multiple of 64, a grid row per part of the columns (ceil(cols /
+// part_cols) of them). Launch with the core's threads (mma 256, wgmma 512) and a block per tile
+// (wgmma: or fewer, see wg_tiles).
+#define QMMA_DENSE_KERNEL(BITS, NAME, WG, N, PARTS)                                                                 \
     extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N) q##BITS##_##NAME(                                           \
         QBatch b, const u16* xh, const u16* xl, const float* xsum, int tokens, int cols, int part_cols) {           \
         grid_dep();                                                                                                 \
-        const DenseTiles<BITS, N, tile_rows<WG>()> jobs{b, tokens, cols, part_cols, (int)blockIdx.y};               \
+        const DenseTiles<BITS, N, tile_rows<WG>(), PARTS> jobs{b, tokens, cols, part_cols, (int)blockIdx.y};        \
         product_tiles<BITS, WG, N>(jobs, {xh, xl, xsum, cols});                                                     \
     }
+#define QMMA_DENSE(BITS, NAME, WG, N)             \
+    QMMA_DENSE_KERNEL(BITS, NAME, WG, N, false) \
+    QMMA_DENSE_KERNEL(BITS, parts_##NAME, WG, N, true)
 // Every product kernel family comes in these shapes: (bits, core name, wgmma core, token slots).
 #define PRODUCT_SHAPES(X) \
     X(4, mma, false, 64) X(8, mma, false, 64) X(4, wgmma, true, 64) X(8, wgmma, true, 64) \
