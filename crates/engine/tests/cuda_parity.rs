@@ -1456,7 +1456,9 @@ fn projection_into_the_residual_with_its_norm_matches() {
     let mut rng = StdRng::seed_from_u64(31);
     // (rows, cols, bits): the 35B's output projections (one row per warp), at 8 bits too; rows
     // of 16 vectors (four rows per half warp); tiny shapes with a partial block of rows. One
-    // token runs `gemv_add_norm`, three the product and the residual norm apart.
+    // token runs `gemv_add_norm`, three the product and the residual norm apart; 70 and 130 the
+    // tensor cores, split along K where the tiles leave SMs idle (the 35B's shape in 6 parts of
+    // 11 or 9 groups at 70 tokens, 3 at 130), the residual add summing the parts.
     for (rows, cols, bits) in [
         (2048, 4096, 4),
         (2048, 4096, 8),
@@ -1465,7 +1467,7 @@ fn projection_into_the_residual_with_its_norm_matches() {
         (100, 128, 8),
     ] {
         let p = qweight(&mut rng, rows, cols, bits);
-        for t in [1, 3] {
+        for t in [1, 3, 70, 130] {
             let y = randn(&mut rng, t * cols, 1.0);
             let x = randn(&mut rng, t * rows, 1.0);
             let g = randn(&mut rng, rows, 1.0);

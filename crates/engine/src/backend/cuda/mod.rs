@@ -805,6 +805,12 @@ pub const CONV_IN_PREP_MIN_TOKENS: usize = 512;
 /// product, as before.
 pub const ROUTER_PART_MIN_GROUPS: usize = 4;
 
+/// The same for the output projections into the residual (`qmatmul_add_rms_norm`), split where
+/// their tiles leave SMs idle (at 256 tokens, 128 tiles of a kind the GPU holds 264 of): prefill
+/// +0.6-0.9% at 256 tokens, unchanged from 1,024 (docs/performance.md, run59).
+/// `LILY_CUDA_OUT_PART_MIN_GROUPS` overrides it; 0 leaves them whole.
+pub const OUT_PART_MIN_GROUPS: usize = 8;
+
 /// Dynamic shared memory of `gdn_chunk_prep` (`heads` value heads a block) and `gdn_chunk_state`
 /// for key/value dim `d`
 /// (`gdn_prep_smem_bytes`, `gdn_state_smem_bytes`, kernels/gdn.cu; the kernels trap if a launch
@@ -875,6 +881,9 @@ pub struct CudaBackend {
     /// Groups a part of the router's product takes at the fewest (`ROUTER_PART_MIN_GROUPS`;
     /// 0: the router and the shared expert's gate in one product, as before).
     router_part_min_groups: usize,
+    /// Groups a part of a many-token output projection takes at the fewest
+    /// (`OUT_PART_MIN_GROUPS`; 0: unsplit).
+    out_part_min_groups: usize,
     /// While profiling: every launch, for replay in isolation.
     trace: Mutex<Option<Vec<Traced>>>,
     /// The kernel family left out of recorded decode steps (`leave_out_of_decode`).
@@ -1626,6 +1635,10 @@ impl CudaBackend {
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
                 .unwrap_or(ROUTER_PART_MIN_GROUPS),
+            out_part_min_groups: std::env::var("LILY_CUDA_OUT_PART_MIN_GROUPS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(OUT_PART_MIN_GROUPS),
             trace: Mutex::new(None),
             left_out: OnceLock::new(),
             tracing: AtomicBool::new(false),
@@ -1827,6 +1840,39 @@ impl CudaBackend {
                 gate
             ]
         )
+    }
+
+    /// x += the sum of `parts` partial products at `y` (each x's shape, in order), then its norm
+    /// (`add_rms_norm`, kernels/pointwise.cu; `residual_norm` says where each goes).
+    fn add_parts_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: u64,
+        parts: usize,
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        check_row_norm(x.cols, w)?;
+        let (rows, cols) = (x.rows, x.cols);
+        let launch = |x_in: u64, x_out: u64, out: u64, split: SplitArg| {
+            launch!(
+                self,
+                self.k.add_rms_norm,
+                cfg((rows as u32, 1), row8_threads(cols), 0),
+                [
+                    x_in,
+                    x_out,
+                    y,
+                    parts as i32,
+                    self.ptr(w),
+                    out,
+                    split,
+                    cols as i32,
+                    eps
+                ]
+            )
+        };
+        self.residual_norm(x, w, eps, launch)
     }
 
     /// Room for `tokens` tokens' routing to `top_k` of `experts`, which `moe_route` writes.
@@ -3815,26 +3861,7 @@ impl Backend for CudaBackend {
         plain!(self, mut x);
         plain!(self, y);
         same_shape(x, y, "add_rms_norm")?;
-        check_row_norm(x.cols, w)?;
-        let (rows, cols) = (x.rows, x.cols);
-        let launch = |x_in: u64, x_out: u64, out: u64, split: SplitArg| {
-            launch!(
-                self,
-                self.k.add_rms_norm,
-                cfg((rows as u32, 1), row8_threads(cols), 0),
-                [
-                    x_in,
-                    x_out,
-                    self.ptr(&y.buf),
-                    self.ptr(w),
-                    out,
-                    split,
-                    cols as i32,
-                    eps
-                ]
-            )
-        };
-        self.residual_norm(x, w, eps, launch)
+        self.add_parts_rms_norm(x, self.ptr(&y.buf), 1, w, eps)
     }
 
     fn qmatmul_add_rms_norm(
@@ -3846,6 +3873,23 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<CudaTensor> {
         plain!(self, mut x);
+        // Many tokens on the tensor cores: the product split along K where its tiles would
+        // leave SMs idle (an output projection's 128 tiles at 256 tokens, where the GPU holds
+        // 264 such blocks), the residual add summing the parts.
+        if y.rows >= MMA_MIN_TOKENS && self.out_part_min_groups > 0 {
+            self.check_q(y.cols, p)?;
+            if x.rows != y.rows || x.cols != p.rows {
+                return Err(Error::Backend(format!(
+                    "qmatmul_add_rms_norm: a {}x{} product of {} rows into a [{}, {}] residual",
+                    p.rows, p.cols, y.rows, x.rows, x.cols
+                )));
+            }
+            let split = self.split_of(y)?;
+            let (outs, parts) =
+                self.qmma_parts(&split, y.cols, &[p], y.rows, self.out_part_min_groups)?;
+            let [projected] = products(outs)?;
+            return self.add_parts_rms_norm(x, self.ptr(&projected.buf), parts, w, eps);
+        }
         // One token: the product and the residual add in one launch (`gemv_add_sumsq`,
         // kernels/quant.cu), the norm left lazy; unless the matrix is one that `qmatmul` walks
         // with a grid of two blocks per SM.

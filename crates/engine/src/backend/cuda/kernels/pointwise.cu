@@ -152,10 +152,19 @@ __device__ __forceinline__ void add_rms_norm_row8(const float* x_in, float* x_ou
 
 // x_out[r] = x_in[r] + y[r], then out[r] = rmsnorm(x_out[r]) * w; one block per row of
 // ceil(cols / 8) threads rounded up to a multiple of 32 (add_rms_norm_row8), rows of any width.
-extern "C" __global__ void add_rms_norm(const float* x_in, float* x_out, const float* y, const float* w, float* out,
-                                        SplitOut split, int cols, float eps) {
+// y may come in `parts` partial sums (a product split along K, qmma.cu's DenseTiles), rows x cols
+// floats apart, added in order.
+extern "C" __global__ void add_rms_norm(const float* x_in, float* x_out, const float* y, int parts, const float* w,
+                                        float* out, SplitOut split, int cols, float eps) {
     add_rms_norm_row8<true, true>(x_in, x_out, w, out, split, cols, eps, [&](float (&d)[8], int n, bool vec) {
-        load_cols8(y + (size_t)blockIdx.x * cols + 8 * threadIdx.x, d, n, vec);
+        const float* at = y + (size_t)blockIdx.x * cols + 8 * threadIdx.x;
+        load_cols8(at, d, n, vec);
+        for (int q = 1; q < parts; ++q) {
+            float e[8];
+            load_cols8(at + (size_t)q * gridDim.x * cols, e, n, vec);
+#pragma unroll
+            for (int c = 0; c < 8; ++c) d[c] += e[c];
+        }
     });
 }
 
