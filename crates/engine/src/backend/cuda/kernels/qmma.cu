@@ -148,6 +148,19 @@ __device__ __forceinline__ SplitX from_column(SplitX x, int k0) {
     return {x.hi + k0, x.lo + k0, x.sum + (k0 >> 6), x.ld};
 }
 
+// A tile's first column and the length of its matrix's rows: the job's own where its Jobs split
+// along K (Jobs::PARTS), else 0 and its columns, known at compile time, so that the products
+// that never split compile to what they were before the parts (a tile carried across a block's
+// loop would otherwise keep both, run59).
+template <class Jobs>
+__device__ __forceinline__ int first_column(const TileJob& j) {
+    return Jobs::PARTS ? j.k0 : 0;
+}
+template <class Jobs>
+__device__ __forceinline__ int row_length(const TileJob& j) {
+    return Jobs::PARTS ? j.ld : j.cols;
+}
+
 // The slots, then two groups (the one being multiplied and the next, written meanwhile). 75 KiB:
 // dynamic shared memory (TC_SMEM_BYTES in mod.rs; each kernel checks that it got enough).
 struct __align__(16) TcSmem {
@@ -424,15 +437,16 @@ struct WgCopies {
     u32 codes_at[CH / 2];
     int sum = -1;       // the slot's sums of groups 8c .. 8c + 7 (c = tid % 8), into sums
 
-    __device__ __forceinline__ WgCopies(int row, SplitX x_, const TileJob& j_) {
-        const int tid = threadIdx.x, n0 = j_.n0, rows = j_.rows, k0 = j_.k0;
+    // k0 and ld: the tile's first column and its matrix's row length (first_column, row_length).
+    __device__ __forceinline__ WgCopies(int row, SplitX x_, const TileJob& j_, int k0, int ld) {
+        const int tid = threadIdx.x, n0 = j_.n0, rows = j_.rows;
         if (tid < 8 * N) {
             const int s = tid >> 3, c = tid & 7;
             x = row >= 0 ? row * x_.ld + k0 + c * 8 : -1;
             x_at = 2 * wg_x_at(s, c);
             sum = row >= 0 && 8 * c < (j_.cols >> 6) ? row * (x_.ld >> 6) + (k0 >> 6) + 8 * c : -1;
         }
-        const int words = j_.ld * BITS / 32;
+        const int words = ld * BITS / 32;
 #pragma unroll
         for (int j = 0; j < CH / 2; ++j) {
             const int i = tid + j * WG_THREADS, r = i / CH, c = i % CH;
@@ -606,13 +620,13 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
             sm.slots[k & 1].yrow[tid] = yrow;
         }
         if (tid < 8 * N) jobs.slot(t, tid >> 3, xrow, yrow);
-        return WgCopies<BITS, N>(xrow, x, lj);
+        return WgCopies<BITS, N>(xrow, x, lj, first_column<Jobs>(lj), row_length<Jobs>(lj));
     };
     // The scales (its first group's are read as the tile starts) and biases (read at its end) of
     // the thread's rows of a tile toward L2, as the tile's copies begin.
     auto rows_to_l2 = [&](const TileJob& tj) {
         if (cq != 0) return;
-        const size_t row_groups = tj.ld >> 6;
+        const size_t row_groups = row_length<Jobs>(tj) >> 6;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = tj.n0 + r + 8 * h;
@@ -668,7 +682,7 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
         const int groups = j.cols >> 6;
         // Rows r and r + 8's scales from the tile's first group, loaded one group ahead of their
         // use (a row past the matrix reads row 0's: its results are never written).
-        const u32 row_groups = j.ld >> 6;  // rows * row_groups < 2^32
+        const u32 row_groups = row_length<Jobs>(j) >> 6;  // rows * row_groups < 2^32
         const u32 at0 = (u32)(j.n0 + r < j.rows ? j.n0 + r : 0) * row_groups;
         const u32 at1 = (u32)(j.n0 + r + 8 < j.rows ? j.n0 + r + 8 : 0) * row_groups;
         u16 s0 = __ldg(j.w.scales + at0), s1 = __ldg(j.w.scales + at1);
@@ -711,7 +725,7 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
             if (++cs == S) cs = 0, cpar ^= 1;
         }
         const TileSlots& sl = sm.slots[k & 1];
-        wg_bias_product<BITS, N>(acc, j.w, from_column(x, j.k0), sm, sl, k, at0, at1, groups, cq);
+        wg_bias_product<BITS, N>(acc, j.w, from_column(x, first_column<Jobs>(j)), sm, sl, k, at0, at1, groups, cq);
 #pragma unroll
         for (int jj = 0; jj < N / 8; ++jj)
 #pragma unroll
@@ -741,7 +755,7 @@ __device__ __forceinline__ void tc_tiles(const Jobs& jobs, SplitX x) {
     if (threadIdx.x < TC_BN) jobs.slot(tile, threadIdx.x, sm.slots.xrow[threadIdx.x], sm.slots.yrow[threadIdx.x]);
     __syncthreads();
     const TileJob j = jobs.job(tile);
-    tc_product<BITS>(j.w, from_column(x, j.k0), sm, j.n0, j.rows, j.cols, j.ld);
+    tc_product<BITS>(j.w, from_column(x, first_column<Jobs>(j)), sm, j.n0, j.rows, j.cols, row_length<Jobs>(j));
 }
 
 // Every product kernel computes the tiles of a `Jobs`, which says for tile i (0 <= i < count())
@@ -763,8 +777,9 @@ __device__ __forceinline__ void product_tiles(const Jobs& jobs, SplitX x) {
 // (moe_route). Only the PARTS kernels split (their grid has a row a part): unsplit, a tile's
 // columns are all of them at compile time, so the products that never split pay nothing for it
 // (the first form, one kernel for both, ran the unsplit products 0.5-1.7% slower, run59).
-template <int BITS, int N, int BM, bool PARTS>
+template <int BITS, int N, int BM, bool SPLIT>
 struct DenseTiles {
+    static constexpr bool PARTS = SPLIT;
     const QBatch& b;
     int tokens, cols, part_cols, part;
 
@@ -952,6 +967,7 @@ __device__ __forceinline__ QMat expert_mat(QMat stack, QMat shared, int e, int e
 // row_tiles apart, close enough that its codes stay in L2 between them.
 template <int BM>
 struct ExpertTiles {
+    static constexpr bool PARTS = false;  // every tile takes all its columns
     const int* perm;
     const int* tiles;
     int ntiles, row_tiles, experts;
@@ -1012,9 +1028,10 @@ struct DownTiles : ExpertTiles<BM> {
     __device__ __forceinline__ bool empty(int) const { return false; }
     __device__ __forceinline__ TileJob job(int i) const {
         const int e = this->expert(i);
-        const int cols = e == this->experts ? inter_s : inter;
-        return {expert_mat<BITS>(down, sdown, e, this->experts, hidden, inter), this->row_tile(i) * BM, hidden, cols, 0,
-                cols};
+        TileJob j{expert_mat<BITS>(down, sdown, e, this->experts, hidden, inter), this->row_tile(i) * BM, hidden,
+                  e == this->experts ? inter_s : inter};
+        j.ld = j.cols;  // k0 = 0
+        return j;
     }
     __device__ __forceinline__ void slot(int i, int s, int& xrow, float*& yrow) const {
         int p;
