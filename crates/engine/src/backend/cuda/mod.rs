@@ -554,10 +554,7 @@ impl Kernels {
         // Warpgroup blocks that take tiles in turn (`LILY_CUDA_PERSISTENT=0`: a block a tile,
         // for comparison).
         let persistent = wgmma && !switched_off("LILY_CUDA_PERSISTENT");
-        let max_blocks = std::env::var("LILY_CUDA_PRODUCT_BLOCKS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&n| n > 0);
+        let max_blocks = env_count("LILY_CUDA_PRODUCT_BLOCKS").filter(|&n| n > 0);
         tracing::info!(
             core = if wgmma { "wgmma" } else { "mma" },
             "prefill products on the tensor cores"
@@ -1249,6 +1246,14 @@ fn switched_off(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "0")
 }
 
+/// A count set by environment variable `name` (the knobs for A/B and tests); none when it is
+/// unset or not a number.
+fn env_count(name: &str) -> Option<usize> {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+}
+
 /// The shapes `attn_prep` needs: q|gate [T, 2 H D], k and v [T, KVH D] (the cache's rows), the
 /// norms' gains at least D long, an even rotary dim of at most D.
 fn check_attn_prep(
@@ -1616,28 +1621,18 @@ impl CudaBackend {
             bucket: AtomicUsize::new(0),
             graphs: !switched_off("LILY_CUDA_GRAPHS"),
             pdl,
-            attn_min_chunk: std::env::var("LILY_CUDA_ATTN_MIN_CHUNK")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
+            attn_min_chunk: env_count("LILY_CUDA_ATTN_MIN_CHUNK")
                 .filter(|&n| n > 0)
                 .unwrap_or(ATTN_MIN_CHUNK),
-            split_only_min_tokens: std::env::var("LILY_CUDA_SPLIT_ONLY_MIN_TOKENS")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
+            split_only_min_tokens: env_count("LILY_CUDA_SPLIT_ONLY_MIN_TOKENS")
                 .unwrap_or(SPLIT_ONLY_MIN_TOKENS)
                 .max(GROUPED_MOE_MIN_TOKENS),
-            conv_in_prep_min_tokens: std::env::var("LILY_CUDA_CONV_IN_PREP_MIN_TOKENS")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
+            conv_in_prep_min_tokens: env_count("LILY_CUDA_CONV_IN_PREP_MIN_TOKENS")
                 .unwrap_or(CONV_IN_PREP_MIN_TOKENS)
                 .max(GDN_CHUNKED_MIN_TOKENS),
-            router_part_min_groups: std::env::var("LILY_CUDA_ROUTER_PART_MIN_GROUPS")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
+            router_part_min_groups: env_count("LILY_CUDA_ROUTER_PART_MIN_GROUPS")
                 .unwrap_or(ROUTER_PART_MIN_GROUPS),
-            out_part_min_groups: std::env::var("LILY_CUDA_OUT_PART_MIN_GROUPS")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
+            out_part_min_groups: env_count("LILY_CUDA_OUT_PART_MIN_GROUPS")
                 .unwrap_or(OUT_PART_MIN_GROUPS),
             trace: Mutex::new(None),
             left_out: OnceLock::new(),
@@ -3873,17 +3868,17 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<CudaTensor> {
         plain!(self, mut x);
+        if x.rows != y.rows || x.cols != p.rows {
+            return Err(Error::Backend(format!(
+                "qmatmul_add_rms_norm: a {}x{} product of {} rows into a [{}, {}] residual",
+                p.rows, p.cols, y.rows, x.rows, x.cols
+            )));
+        }
         // Many tokens on the tensor cores: the product split along K where its tiles would
         // leave SMs idle (an output projection's 128 tiles at 256 tokens, where the GPU holds
         // 264 such blocks), the residual add summing the parts.
         if y.rows >= MMA_MIN_TOKENS && self.out_part_min_groups > 0 {
             self.check_q(y.cols, p)?;
-            if x.rows != y.rows || x.cols != p.rows {
-                return Err(Error::Backend(format!(
-                    "qmatmul_add_rms_norm: a {}x{} product of {} rows into a [{}, {}] residual",
-                    p.rows, p.cols, y.rows, x.rows, x.cols
-                )));
-            }
             let split = self.split_of(y)?;
             let (outs, parts) =
                 self.qmma_parts(&split, y.cols, &[p], y.rows, self.out_part_min_groups)?;
@@ -3901,12 +3896,6 @@ impl Backend for CudaBackend {
             return self.add_rms_norm(x, &projected, w, eps);
         }
         let b = self.check_q(y.cols, p)?;
-        if x.rows != 1 || x.cols != p.rows {
-            return Err(Error::Backend(format!(
-                "qmatmul_add_rms_norm: a {}x{} product into a [{}, {}] residual",
-                p.rows, p.cols, x.rows, x.cols
-            )));
-        }
         check_row_norm(x.cols, w)?;
         let GemvShape {
             variant,
@@ -4544,17 +4533,11 @@ impl Backend for CudaBackend {
             bytes = qbytes(router.rows, router.cols, router.bits)
                 + qbytes(shared_gate.rows, shared_gate.cols, shared_gate.bits)
         )?;
-        let routing = CudaRouting {
-            ids: self.tmp::<i32>(top_k)?,
-            weights: self.tmp::<f32>(top_k)?,
-            tokens: 1,
-            top_k,
-            num_experts: e,
-            deferred: Cell::new(Some(DeferredRoute {
-                logits,
-                renormalize,
-            })),
-        };
+        let routing = self.routing_of(1, top_k, e)?;
+        routing.deferred.set(Some(DeferredRoute {
+            logits,
+            renormalize,
+        }));
         Ok((routing, shared_gate_logit))
     }
 
