@@ -24,15 +24,7 @@
 #include <string>
 
 #include "../../crates/engine/src/backend/cuda/kernels/common.cuh"
-
-#define CHECK(x)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e = (x);                                                                       \
-        if (e != cudaSuccess) {                                                                    \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            std::exit(1);                                                                          \
-        }                                                                                          \
-    } while (0)
+#include "check.cuh"
 
 enum Form { BF16_HI_LO = 0, F16_HI_E4M3_LO = 1, F16_HI_E4M3_LO_UNCONVERTED = 2, F16_HI_ONLY = 3 };
 

@@ -40,14 +40,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                           \
-    do {                                                                                   \
-        cudaError_t e = (x);                                                               \
-        if (e != cudaSuccess) {                                                            \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            std::exit(1);                                                                  \
-        }                                                                                  \
-    } while (0)
+#include "check.cuh"
 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }

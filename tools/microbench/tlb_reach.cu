@@ -21,14 +21,7 @@
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e = (x);                                                                       \
-        if (e != cudaSuccess) {                                                                    \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            std::exit(1);                                                                          \
-        }                                                                                          \
-    } while (0)
+#include "check.cuh"
 
 constexpr int kSlices = 16;
 constexpr size_t kSlice = 512 << 10;
