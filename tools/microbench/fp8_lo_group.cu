@@ -14,6 +14,7 @@
 //
 // Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/fp8_lo_group tools/microbench/fp8_lo_group.cu && /tmp/fp8_lo_group
+// (It compiles qmma.cu's kernels too, for the helpers: ~10 s more.)
 // Prints a markdown table: microseconds a launch (the mean of 5 timed runs of 20 launches after
 // 5 warm-up launches, with the runs' min and max) and nanoseconds a group a warpgroup.
 #include <cuda_runtime.h>
@@ -21,9 +22,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <string>
 
+// The kernels' own helpers, as NVRTC sees them (common.cuh, then the family): code_pair and
+// wgmma_rs are the product core's.
 #include "../../crates/engine/src/backend/cuda/kernels/common.cuh"
+#include "../../crates/engine/src/backend/cuda/kernels/qmma.cu"
 #include "check.cuh"
 
 enum Form { BF16_HI_LO = 0, F16_HI_E4M3_LO = 1, F16_HI_E4M3_LO_UNCONVERTED = 2, F16_HI_ONLY = 3 };
@@ -44,18 +47,13 @@ struct Smem {
     u16 scales[CODE_SETS][ROWS];
 };
 
-// The f16 pair (column p, column p + 4) of a code word: OR-ing a nibble into the mantissa of 1024.0
-// gives 1024 + q exactly; one f16x2 fused multiply-add takes the 1024 off again (exact).
-__device__ __forceinline__ u32 code_pair_f16(u32 w, int p) {
+// The f16 pair (column p, column p + 4) of 8-column block b of a row's codes w, as qmma.cu's
+// code_pair<4> makes the bf16 one: OR-ing a nibble into the mantissa of 1024.0 gives 1024 + q
+// exactly; one f16x2 fused multiply-add takes the 1024 off again (exact).
+__device__ __forceinline__ u32 code_pair_f16(const u32* w, int b, int p) {
     u32 t, d;
-    asm("lop3.b32 %0, %1, 0x000f000f, 0x64006400, 0xea;" : "=r"(t) : "r"(w >> (4 * p)));
+    asm("lop3.b32 %0, %1, 0x000f000f, 0x64006400, 0xea;" : "=r"(t) : "r"(w[b] >> (4 * p)));
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(t), "r"(0x3c003c00u), "r"(0xe400e400u));
-    return d;
-}
-__device__ __forceinline__ u32 code_pair_bf16(u32 w, int p) {
-    u32 t, d;
-    asm("lop3.b32 %0, %1, 0x000f000f, 0x43004300, 0xea;" : "=r"(t) : "r"(w >> (4 * p)));
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(t), "r"(0x3f803f80u), "r"(0xc300c300u));
     return d;
 }
 // Four e4m3 values from two f16 pairs (exact for the codes 0-15).
@@ -69,24 +67,15 @@ __device__ __forceinline__ u32 e4m3x4(u32 a, u32 b) {
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <int KIND>  // 0 bf16, 1 f16
-__device__ __forceinline__ void mma_k16(float (&d)[32], const u32 (&a)[4], u64 b, int accumulate) {
-    if constexpr (KIND == 0)
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WGMMA_D32_REGS
-            "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
-            : WGMMA_D32_OPERANDS(d)
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)
-            : "memory");
-    else
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" WGMMA_D32_REGS
-            "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
-            : WGMMA_D32_OPERANDS(d)
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)
-            : "memory");
+// wgmma_rs (qmma.cu) with f16 operands.
+__device__ __forceinline__ void wgmma_rs_f16(float (&d)[32], const u32 (&a)[4], u64 b, int accumulate) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" WGMMA_D32_REGS
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+        : WGMMA_D32_OPERANDS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)
+        : "memory");
 }
 __device__ __forceinline__ void mma_e4m3_k32(float (&d)[32], const u32 (&a)[4], u64 b, int accumulate) {
     asm volatile(
@@ -133,13 +122,11 @@ __global__ void __launch_bounds__(THREADS, 1) group_chain(float* out, int groups
         u32 a[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            if constexpr (FORM == BF16_HI_LO) {
-                a[kk][0] = code_pair_bf16(w0[2 * kk], cq), a[kk][1] = code_pair_bf16(w1[2 * kk], cq);
-                a[kk][2] = code_pair_bf16(w0[2 * kk + 1], cq), a[kk][3] = code_pair_bf16(w1[2 * kk + 1], cq);
-            } else {
-                a[kk][0] = code_pair_f16(w0[2 * kk], cq), a[kk][1] = code_pair_f16(w1[2 * kk], cq);
-                a[kk][2] = code_pair_f16(w0[2 * kk + 1], cq), a[kk][3] = code_pair_f16(w1[2 * kk + 1], cq);
-            }
+            auto pair = [&](const u32* w, int b) {
+                return FORM == BF16_HI_LO ? code_pair<4>(w, b, cq) : code_pair_f16(w, b, cq);
+            };
+            a[kk][0] = pair(w0, 2 * kk), a[kk][1] = pair(w1, 2 * kk);
+            a[kk][2] = pair(w0, 2 * kk + 1), a[kk][3] = pair(w1, 2 * kk + 1);
         }
         // The e4m3 fragments of the same codes (the K order they give is the one the lo writer
         // would follow): rows r and r + 8, four values a register.
@@ -162,8 +149,8 @@ __global__ void __launch_bounds__(THREADS, 1) group_chain(float* out, int groups
         if constexpr (FORM == BF16_HI_LO) {
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
-                mma_k16<0>(d, a[kk], smem_desc_advance(xh, 32 * kk), kk > 0);
-                mma_k16<0>(d, a[kk], smem_desc_advance(xl, 32 * kk), 1);
+                wgmma_rs(d, a[kk], smem_desc_advance(xh, 32 * kk), kk > 0);
+                wgmma_rs(d, a[kk], smem_desc_advance(xl, 32 * kk), 1);
             }
         } else {
             if constexpr (FORM != F16_HI_ONLY) {
@@ -174,7 +161,7 @@ __global__ void __launch_bounds__(THREADS, 1) group_chain(float* out, int groups
             }
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
-                mma_k16<1>(d, a[kk], smem_desc_advance(xh, 32 * kk), FORM != F16_HI_ONLY || kk > 0);
+                wgmma_rs_f16(d, a[kk], smem_desc_advance(xh, 32 * kk), FORM != F16_HI_ONLY || kk > 0);
         }
         wgmma_commit();
         wgmma_wait_all();
@@ -196,8 +183,10 @@ __global__ void __launch_bounds__(THREADS, 1) group_chain(float* out, int groups
 #endif
 }
 
+// Times FORM and prints its row; returns its microseconds a launch. base_us: the first form's (0
+// for the first form itself).
 template <int FORM>
-static void run(const char* name, float* out, int sms, double base_us, double* us_out) {
+static double run(const char* name, float* out, int sms, double base_us) {
     const int smem = (int)sizeof(Smem) + 1024;
     CHECK(cudaFuncSetAttribute(group_chain<FORM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cudaEvent_t e0, e1;
@@ -216,12 +205,15 @@ static void run(const char* name, float* out, int sms, double base_us, double* u
         runs[k] = 1000.0 * ms / 20;
     }
     CHECK(cudaGetLastError());
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
     double mean = 0;
     for (double v : runs) mean += v / 5;
     const double lo = *std::min_element(runs, runs + 5), hi = *std::max_element(runs, runs + 5);
-    std::printf("| %s | %.1f (%.1f-%.1f) | %.1f | %s |\n", name, mean, lo, hi, 1000.0 * mean / GROUPS,
-                base_us > 0 ? (std::to_string(100.0 * (base_us / mean - 1.0)).substr(0, 6) + "%").c_str() : "");
-    *us_out = mean;
+    std::printf("| %s | %.1f (%.1f-%.1f) | %.1f | ", name, mean, lo, hi, 1000.0 * mean / GROUPS);
+    if (base_us > 0) std::printf("%+.2f%%", 100.0 * (base_us / mean - 1.0));
+    std::printf(" |\n");
+    return mean;
 }
 
 int main() {
@@ -234,12 +226,11 @@ int main() {
     float* out = nullptr;
     CHECK(cudaMalloc(&out, (size_t)prop.multiProcessorCount * THREADS * sizeof(float)));
     std::printf("| form | us a launch (min-max) | ns a group | speed vs bf16 hi + lo |\n|---|---:|---:|---:|\n");
-    double base = 0, us = 0;
-    run<BF16_HI_LO>("bf16 hi + bf16 lo (now)", out, prop.multiProcessorCount, 0, &base);
-    run<F16_HI_E4M3_LO>("f16 hi + e4m3 lo", out, prop.multiProcessorCount, base, &us);
-    run<F16_HI_E4M3_LO_UNCONVERTED>("f16 hi + e4m3 lo, fragments not converted", out, prop.multiProcessorCount,
-                                    base, &us);
-    run<F16_HI_ONLY>("f16 hi alone (no lo)", out, prop.multiProcessorCount, base, &us);
+    const int sms = prop.multiProcessorCount;
+    const double base = run<BF16_HI_LO>("bf16 hi + bf16 lo (now)", out, sms, 0);
+    run<F16_HI_E4M3_LO>("f16 hi + e4m3 lo", out, sms, base);
+    run<F16_HI_E4M3_LO_UNCONVERTED>("f16 hi + e4m3 lo, fragments not converted", out, sms, base);
+    run<F16_HI_ONLY>("f16 hi alone (no lo)", out, sms, base);
     CHECK(cudaFree(out));
     return 0;
 }
