@@ -559,16 +559,16 @@ impl Kernels {
             core = if wgmma { "wgmma" } else { "mma" },
             "prefill products on the tensor cores"
         );
-        // Rows and threads per block: WG_BM, WG_THREADS and TC_BM, TC_THREADS in qmma.cu.
+        // Rows and threads per block: WG_BM, WG_THREADS_OF and TC_BM, TC_THREADS in qmma.cu.
         let shape = |core: &str, slots: u32| -> Result<ProductShape> {
             let (smem, rows, threads) = if wgmma {
                 let smem = [
                     wg_smem_bytes(4, slots as usize),
                     wg_smem_bytes(8, slots as usize),
                 ];
-                (smem, 256, 512)
+                (smem, 256, [4, 8].map(|bits| wg_threads(bits, slots)))
             } else {
-                ([TC_SMEM_BYTES; 2], 128, 256)
+                ([TC_SMEM_BYTES; 2], 128, [256; 2])
             };
             // The products take more shared memory than a launch gets without opting in.
             let kernels = |name: &str| -> Result<[CudaFunction; 2]> {
@@ -584,7 +584,7 @@ impl Kernels {
             let dense = kernels("")?;
             let per_sm = [0, 1].map(|b| {
                 dense[b]
-                    .occupancy_max_active_blocks_per_multiprocessor(threads, smem[b], None)
+                    .occupancy_max_active_blocks_per_multiprocessor(threads[b], smem[b], None)
                     .map_or(1, |n| n.max(1) as usize)
             });
             Ok(ProductShape {
@@ -1349,11 +1349,6 @@ const PREFILL_CHUNK: usize = 4096;
 const TC_SMEM_BYTES: usize = 2 * (2 * (128 + 2 * 64) * 72 + 4 * (2 * 128 + 64)) + 64 * (4 + 8);
 /// Stages of a warpgroup product block (`WG_STAGES`, kernels/qmma.cu).
 const WG_STAGES: usize = 6;
-/// Tiles a block takes at the fewest when blocks take tiles in turn (`ProductShape::blocks`).
-/// Tiles are dealt to blocks in a fixed rotation, so a block's share is uneven by up to a tile
-/// (and tiles' times differ): with 3-9 tiles a block, at a 256-token prompt, prefill lost 1.7%
-/// against a block a tile; with 20-40, at 4,096, it gained 1.4% (docs/performance.md, run47).
-const PERSISTENT_TILES: usize = 16;
 /// Shared memory of a warpgroup product block (`WgSmem<BITS, N>`, kernels/qmma.cu): six stages
 /// of `slots` slots' hi and lo activations (64 columns each) and 256 rows of codes, the bias
 /// product's three parts of the slots' group sums, two tiles' f32 group sums of their slots
@@ -1371,6 +1366,12 @@ fn wg_smem_bytes(bits: usize, slots: usize) -> usize {
     WG_STAGES * stage.next_multiple_of(1024) + sum_parts.next_multiple_of(1024) + sums + 2048 + 1024
 }
 
+/// Threads of a warpgroup product block (`WG_THREADS_OF`, kernels/qmma.cu): four warpgroups of
+/// one 64-row tile each, or on the 4-bit 16-slot tiles two warpgroups of two.
+fn wg_threads(bits: u32, slots: u32) -> u32 {
+    if bits == 4 && slots == 16 { 256 } else { 512 }
+}
+
 /// One tile shape of the tensor-core products (kernels/qmma.cu): its kernels by bits and how
 /// they are launched.
 struct ProductShape {
@@ -1383,10 +1384,10 @@ struct ProductShape {
     /// `[bits]` dynamic shared memory, and the blocks an SM holds at once.
     smem: [usize; 2],
     per_sm: [usize; 2],
-    /// Weight rows, token slots and threads per block.
+    /// Weight rows and token slots per block, and `[bits]` threads.
     rows: u32,
     slots: u32,
-    threads: u32,
+    threads: [u32; 2],
     /// Whether a block may take several tiles in turn (the wgmma core, `wg_tiles`), and a cap
     /// on such a launch's blocks below what the GPU holds (`LILY_CUDA_PRODUCT_BLOCKS`, so that
     /// tests of small products reach blocks that take many tiles).
@@ -1396,18 +1397,20 @@ struct ProductShape {
 
 impl ProductShape {
     /// Blocks for `tiles` tiles of `groups` 64-column groups each (at the fewest) at bits index
-    /// `b`: a block per tile, or on the persistent core, when the tiles are at least
-    /// `PERSISTENT_TILES` for each block the GPU holds at once, that many blocks, each taking
-    /// tiles in turn so that the next tile's copies overlap the current tile's products. That
-    /// needs `WG_STAGES` groups a tile (`wg_tiles`, kernels/qmma.cu). A cap on the blocks
-    /// (`max_blocks`, for tests) applies whenever the tiles exceed it.
+    /// `b`: a block per tile, or on the persistent core, when the tiles are more than the GPU
+    /// holds at once, as many blocks as it holds, each taking tiles in turn so that the next
+    /// tile's copies overlap the current tile's products. That needs `WG_STAGES` groups a tile
+    /// (`wg_tiles`, kernels/qmma.cu). Tiles are dealt to blocks in a fixed rotation, so a block's
+    /// share is uneven by up to a tile: at a 256-token prompt (3-9 tiles a block) that cost
+    /// prefill 1.7% when 16-slot blocks had four warpgroups of one row tile (run47); with two of
+    /// two it gains 0.8% there and 0.2-0.6% at 1,024-4,096 tokens (run62; docs/performance.md).
+    /// A cap on the blocks (`max_blocks`, for tests) applies whenever the tiles exceed it.
     fn blocks(&self, tiles: usize, groups: usize, b: usize, sms: usize) -> u32 {
         let resident = self.per_sm[b] * sms;
         let blocks = match self.max_blocks {
             _ if !self.persistent || groups < WG_STAGES => tiles,
             Some(cap) => tiles.min(cap.min(resident)),
-            None if tiles >= PERSISTENT_TILES * resident => resident,
-            None => tiles,
+            None => tiles.min(resident),
         };
         blocks as u32
     }
@@ -2533,7 +2536,7 @@ impl CudaBackend {
             let bytes = ws.iter().map(|w| qbytes(w.rows, w.cols, w.bits)).sum();
             // SAFETY: the arguments are q*_wgmma's (kernels/qmma.cu, QMMA_DENSE_KERNEL) in order,
             // the outputs sized by qbatch for parts * tokens rows.
-            unsafe { self.launch(f, label, cfg(grid, p.threads, p.smem[b]), &args, bytes) }?;
+            unsafe { self.launch(f, label, cfg(grid, p.threads[b], p.smem[b]), &args, bytes) }?;
         }
         Ok((outs, parts))
     }
@@ -2648,7 +2651,7 @@ impl CudaBackend {
             p.moe_gate_up[b],
             cfg(
                 (p.blocks(max_tiles * row_tiles, hidden / 64, b, self.sms), 1),
-                p.threads,
+                p.threads[b],
                 p.smem[b]
             ),
             [
@@ -2687,7 +2690,7 @@ impl CudaBackend {
             p.moe_down[b],
             cfg(
                 (p.blocks(max_tiles * row_tiles, down_groups, b, self.sms), 1),
-                p.threads,
+                p.threads[b],
                 p.smem[b]
             ),
             [

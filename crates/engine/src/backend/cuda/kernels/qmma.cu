@@ -306,9 +306,10 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
 // ---- Hopper (sm_90a): the same tile on warpgroup products (wgmma).
 //
 // Each of the block's four warpgroups multiplies 64 of its 256 rows by all 64 slots with
-// wgmma.m64n64k16: the weights as the A operand in registers, converted from the codes by the
-// thread that holds them (each code converted once, no shared copy of bf16 weights), the
-// activations as the B operand read by the tensor cores straight from shared memory (no ldmatrix).
+// wgmma.m64n64k16 (on 4-bit 16-slot tiles, two warpgroups 128 rows each: WG_MTILES): the weights
+// as the A operand in registers, converted from the codes by the thread that holds them (each
+// code converted once, no shared copy of bf16 weights), the activations as the B operand read by
+// the tensor cores straight from shared memory (no ldmatrix).
 // Codes and activations arrive by cp.async, four groups ahead, each stage handed over by
 // mbarriers (wg_tiles). Per group the exact split and the f32 scale are as above; the bias
 // half, sum over groups of bias * sum(x), is one more exact product after the last group
@@ -328,11 +329,19 @@ __device__ __forceinline__ void tc_product(QMat w, SplitX x, TcSmem& sm, int n0,
 // the host picks (mod.rs, `ProductShape`). Each output is the same sum either way.
 
 constexpr int WG_BM = 256;
-constexpr int WG_THREADS = 512;
+// Row tiles of 64 a warpgroup takes: two on the 4-bit 16-slot tiles, else one. A warpgroup's
+// per-group work beside its products (its copies, waits, descriptors and scale loads) does not
+// grow with its rows, so on the 16-slot tiles, whose products are small, 128 rows a warpgroup
+// issue fewer instructions a code than 64 (docs/performance.md, run62). 8-bit ones keep one: their
+// stages leave room for one block an SM, whose warps two row tiles a warpgroup would halve.
+// Threads a block: 256 rows over its warpgroups.
+#define WG_MTILES(BITS, N) ((BITS) == 4 && (N) == 16 ? 2 : 1)
+#define WG_THREADS_OF(BITS, N) (512 / WG_MTILES(BITS, N))
 // Stages of codes and activations (groups in flight).
 constexpr int WG_STAGES = 6;
-// Blocks per SM: two for 4-bit 16-slot tiles (64 registers a thread: 7,640 vs 7,271 tok/s of
-// prefill at 256 tokens for one block of 128), else one.
+// Blocks per SM: two for 4-bit 16-slot tiles (two warpgroups a block; with four warpgroups of one
+// row tile each, two blocks of 64 registers a thread gave 7,640 vs 7,271 tok/s of prefill at 256
+// tokens for one block of 128), else one.
 #define WG_BLOCKS_PER_SM(BITS, N) ((BITS) == 4 && (N) == 16 ? 2 : 1)
 // Whether a block stages its tiles' slot group sums (the bias product's B operand) in shared
 // memory with the tiles' first copies, off the tile's end: 4-bit 64-slot tiles. 8-bit ones have
@@ -433,8 +442,10 @@ struct WgCopies {
     static constexpr int CH = BITS / 2;
     int x = -1;         // one 8-column chunk of a slot, into x.hi and x.lo alike
     u32 x_at = 0;       // its byte offset within a stage's xh (and xl)
-    int codes[CH / 2];  // 16-byte chunks of code rows, into w.codes
-    u32 codes_at[CH / 2];
+    // 16-byte chunks of code rows, into w.codes: a stage's 256 x CH over the block's threads.
+    static constexpr int CODES = WG_BM * CH / WG_THREADS_OF(BITS, N);
+    int codes[CODES];
+    u32 codes_at[CODES];
     int sum = -1;       // the slot's sums of groups 8c .. 8c + 7 (c = tid % 8), into sums
 
     // k0 and ld: the tile's first column and its matrix's row length (first_column, row_length).
@@ -448,8 +459,8 @@ struct WgCopies {
         }
         const int words = ld * BITS / 32;
 #pragma unroll
-        for (int j = 0; j < CH / 2; ++j) {
-            const int i = tid + j * WG_THREADS, r = i / CH, c = i % CH;
+        for (int j = 0; j < CODES; ++j) {
+            const int i = tid + j * WG_THREADS_OF(BITS, N), r = i / CH, c = i % CH;
             codes[j] = n0 + r < rows ? (n0 + r) * words + c * 4 : -1;
             codes_at[j] = 4 * (r * CH + wg_chunk<CH>(r, c)) * 4;
         }
@@ -478,7 +489,7 @@ __device__ __forceinline__ void wg_load(u32 stage, const WgCopies<BITS, N>& cp, 
         cp_async16_to(stage + St::XL + cp.x_at, x.lo + at);
     }
 #pragma unroll
-    for (int j = 0; j < WgCopies<BITS, N>::CH / 2; ++j)
+    for (int j = 0; j < WgCopies<BITS, N>::CODES; ++j)
         if (cp.codes[j] >= 0) cp_async16_to(stage + St::CODES + cp.codes_at[j], w.codes + (u32)cp.codes[j] + 2u * BITS * g);
 }
 
@@ -506,13 +517,15 @@ __device__ __forceinline__ void wg_a_frags(u32 (&a)[4][4], const WgStage<BITS, N
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The bias half of every group's sum, acc[row][slot] += sum_g bias[row][g] * sum(x[slot], group
 // g), as products after the last group instead of a second FMA per accumulator and group: the
-// biases (exact in bf16) as the A operand, rows r and r + 8 from at0 and at1; the slots' group
-// sums as B, split in three bf16 parts (exact: 24 significant bits), in sm.sum_parts (part p
-// from element p * N * 64, laid out as x). 64 groups a round, in their natural order along K.
-// Its first barrier also makes the slots the loads wrote for the next tile visible (wg_tiles).
-template <int BITS, int N>
-__device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, SplitX x, WgSmem<BITS, N>& sm,
-                                                const TileSlots& sl, int k, u32 at0, u32 at1, int groups, int cq) {
+// biases (exact in bf16) as the A operand, rows r and r + 8 of row tile m from at0[m] and at1[m];
+// the slots' group sums as B, split in three bf16 parts (exact: 24 significant bits), in
+// sm.sum_parts (part p from element p * N * 64, laid out as x). 64 groups a round, in their
+// natural order along K. Its first barrier also makes the slots the loads wrote for the next tile
+// visible (wg_tiles).
+template <int BITS, int N, int MT = WG_MTILES(BITS, N)>
+__device__ __forceinline__ void wg_bias_product(float (&acc)[MT][N / 2], QMat w, SplitX x, WgSmem<BITS, N>& sm,
+                                                const TileSlots& sl, int k, const u32 (&at0)[MT],
+                                                const u32 (&at1)[MT], int groups, int cq) {
     const int tid = threadIdx.x;
     u16* part = sm.sum_parts;
     auto pair = [&](u32 at, int g) {
@@ -525,13 +538,16 @@ __device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, Spl
         // copies began) overlap the wait at the barrier: bias pairs (g, g + 1) of rows r and
         // r + 8 at K = 2cq (and + 8) of each 16-group step the round has; past the last, zero.
         const int steps = min(4, (groups - g0 + 15) / 16);
-        u32 a[4][4] = {};
+        u32 a[MT][4][4] = {};
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            if (kk < steps) {
-                const int g = g0 + 16 * kk + 2 * cq;
-                a[kk][0] = pair(at0, g), a[kk][1] = pair(at1, g), a[kk][2] = pair(at0, g + 8), a[kk][3] = pair(at1, g + 8);
-            }
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                if (kk < steps) {
+                    const int g = g0 + 16 * kk + 2 * cq;
+                    a[m][kk][0] = pair(at0[m], g), a[m][kk][1] = pair(at1[m], g);
+                    a[m][kk][2] = pair(at0[m], g + 8), a[m][kk][3] = pair(at1[m], g + 8);
+                }
         // Every warp is past the previous tile's (or round's) bias products before the parts are
         // rewritten.
         __syncthreads();
@@ -563,13 +579,17 @@ __device__ __forceinline__ void wg_bias_product(float (&acc)[N / 2], QMat w, Spl
         __syncthreads();
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            if (kk < steps)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-                for (int q = 0; q < 3; ++q) wgmma_rs(acc, a[kk], smem_desc_advance(wg_desc(part + q * N * 64), 32 * kk), 1);
+            for (int kk = 0; kk < 4; ++kk)
+                if (kk < steps)
+#pragma unroll
+                    for (int q = 0; q < 3; ++q)
+                        wgmma_rs(acc[m], a[m][kk], smem_desc_advance(wg_desc(part + q * N * 64), 32 * kk), 1);
         wgmma_commit();
         wgmma_wait_all();
-        wgmma_hold(acc);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) wgmma_hold(acc[m]);
     }
 }
 #endif
@@ -586,17 +606,19 @@ __device__ __forceinline__ int next_tile(const Jobs& jobs, int i, int count) {
 // copies run WG_STAGES - 2 groups ahead of the products across the end of a tile, so that a
 // tile's first groups (and its slots) land while the previous tile's last groups and bias
 // products run, instead of each block starting cold (docs/performance.md, run47). Launch with
-// WG_THREADS threads and at most one block per tile; with fewer blocks than tiles (persistent),
-// every tile needs at least WG_STAGES groups (the host checks): that is what lets the copies of
-// tile k + 1 rewrite slots[(k + 1) & 1] (see load_next).
+// WG_THREADS_OF(BITS, N) threads and at most one block per tile; with fewer blocks than tiles
+// (persistent), every tile needs at least WG_STAGES groups (the host checks): that is what lets
+// the copies of tile k + 1 rewrite slots[(k + 1) & 1] (see load_next).
 template <int BITS, int N, class Jobs>
 __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     WgSmem<BITS, N>& sm = wg_smem<BITS, N>();
+    constexpr int MT = WG_MTILES(BITS, N), T = WG_THREADS_OF(BITS, N);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, cq = lane & 3;
-    // The thread's tile rows r and r + 8: warpgroup warp >> 2 takes 64 rows, each warp 16.
-    const int r = 64 * (warp >> 2) + 16 * (warp & 3) + gq;
+    // The thread's tile rows r(m) and r(m) + 8 of its row tiles m: warpgroup warp >> 2 takes MT
+    // tiles of 64 rows, each warp 16 rows of each.
+    auto row_at = [&](int m) { return 64 * (MT * (warp >> 2) + m) + 16 * (warp & 3) + gq; };
     const int count = jobs.count();
     int tile = next_tile(jobs, blockIdx.x, count);
     if (tile >= count) return;  // the whole block, before any barrier
@@ -628,20 +650,22 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
         if (cq != 0) return;
         const size_t row_groups = row_length<Jobs>(tj) >> 6;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = tj.n0 + r + 8 * h;
-            if (row < tj.rows) {
-                prefetch_l2(tj.w.scales + row * row_groups);
-                prefetch_l2(tj.w.biases + row * row_groups);
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = tj.n0 + row_at(m) + 8 * h;
+                if (row < tj.rows) {
+                    prefetch_l2(tj.w.scales + row * row_groups);
+                    prefetch_l2(tj.w.biases + row * row_groups);
+                }
             }
-        }
     };
     WgCopies<BITS, N> copies = slot_rows(lt, lk);
     rows_to_l2(lj);
     if (tid == 0)
         for (int i = 0; i < S; ++i) {
-            mbar_init(&sm.full[i], WG_THREADS);
-            mbar_init(&sm.empty[i], WG_THREADS / 32);
+            mbar_init(&sm.full[i], T);
+            mbar_init(&sm.empty[i], T / 32);
         }
     __syncthreads();
     // Stages, and their barriers, by shared address.
@@ -680,42 +704,59 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
     for (int k = 0; tile < count; tile = next_tile(jobs, tile + gridDim.x, count), ++k) {
         const TileJob j = jobs.job(tile);
         const int groups = j.cols >> 6;
-        // Rows r and r + 8's scales from the tile's first group, loaded one group ahead of their
-        // use (a row past the matrix reads row 0's: its results are never written).
+        // Rows r(m) and r(m) + 8's scales from the tile's first group, loaded one group ahead of
+        // their use (a row past the matrix reads row 0's: its results are never written).
         const u32 row_groups = row_length<Jobs>(j) >> 6;  // rows * row_groups < 2^32
-        const u32 at0 = (u32)(j.n0 + r < j.rows ? j.n0 + r : 0) * row_groups;
-        const u32 at1 = (u32)(j.n0 + r + 8 < j.rows ? j.n0 + r + 8 : 0) * row_groups;
-        u16 s0 = __ldg(j.w.scales + at0), s1 = __ldg(j.w.scales + at1);
-        float acc[N / 2] = {};
+        u32 at0[MT], at1[MT];
+        u16 s0[MT], s1[MT];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            const int r = j.n0 + row_at(m);
+            at0[m] = (u32)(r < j.rows ? r : 0) * row_groups;
+            at1[m] = (u32)(r + 8 < j.rows ? r + 8 : 0) * row_groups;
+            s0[m] = __ldg(j.w.scales + at0[m]), s1[m] = __ldg(j.w.scales + at1[m]);
+        }
+        float acc[MT][N / 2] = {};
         for (int g = 0; g < groups; ++g) {
             const int gn = min(g + 1, groups - 1);
-            const u16 s0n = __ldg(j.w.scales + at0 + gn), s1n = __ldg(j.w.scales + at1 + gn);
+            u16 s0n[MT], s1n[MT];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                s0n[m] = __ldg(j.w.scales + at0[m] + gn);
+                s1n[m] = __ldg(j.w.scales + at1[m] + gn);
+            }
             mbar_wait(full0 + 8 * cs, cpar);
             fence_proxy_async();
             const WgStage<BITS, N>& st = sm.stage[cs];
-            u32 a[4][4];
-            wg_a_frags<BITS, N>(a, st, r, cq);
-            float d[N / 2];
+            u32 a[MT][4][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) wg_a_frags<BITS, N>(a[m], st, row_at(m), cq);
+            float d[MT][N / 2];
             const u64 xh = wg_desc(st.xh), xl = wg_desc(st.xl);
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                wgmma_rs(d, a[kk], smem_desc_advance(xh, 32 * kk), kk > 0);
-                wgmma_rs(d, a[kk], smem_desc_advance(xl, 32 * kk), 1);
-            }
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) {
+                    wgmma_rs(d[m], a[m][kk], smem_desc_advance(xh, 32 * kk), kk > 0);
+                    wgmma_rs(d[m], a[m][kk], smem_desc_advance(xl, 32 * kk), 1);
+                }
             wgmma_commit();
             wgmma_wait_all();
-            wgmma_hold(d);
-            const float fs0 = bf16_to_f32(s0), fs1 = bf16_to_f32(s1);
-            // d[4j + e]: row r + 8 (e >> 1), slot 8j + 2cq + (e & 1).
 #pragma unroll
-            for (int jj = 0; jj < N / 8; ++jj) {
-                acc[4 * jj] = fmaf(fs0, d[4 * jj], acc[4 * jj]);
-                acc[4 * jj + 1] = fmaf(fs0, d[4 * jj + 1], acc[4 * jj + 1]);
-                acc[4 * jj + 2] = fmaf(fs1, d[4 * jj + 2], acc[4 * jj + 2]);
-                acc[4 * jj + 3] = fmaf(fs1, d[4 * jj + 3], acc[4 * jj + 3]);
+            for (int m = 0; m < MT; ++m) {
+                wgmma_hold(d[m]);
+                const float fs0 = bf16_to_f32(s0[m]), fs1 = bf16_to_f32(s1[m]);
+                // d[m][4j + e]: row r(m) + 8 (e >> 1), slot 8j + 2cq + (e & 1).
+#pragma unroll
+                for (int jj = 0; jj < N / 8; ++jj) {
+                    acc[m][4 * jj] = fmaf(fs0, d[m][4 * jj], acc[m][4 * jj]);
+                    acc[m][4 * jj + 1] = fmaf(fs0, d[m][4 * jj + 1], acc[m][4 * jj + 1]);
+                    acc[m][4 * jj + 2] = fmaf(fs1, d[m][4 * jj + 2], acc[m][4 * jj + 2]);
+                    acc[m][4 * jj + 3] = fmaf(fs1, d[m][4 * jj + 3], acc[m][4 * jj + 3]);
+                }
+                s0[m] = s0n[m], s1[m] = s1n[m];
             }
-            s0 = s0n, s1 = s1n;
             // This warp is done with the stage (its products waited for).
             __syncwarp();
             if (lane == 0) mbar_arrive(empty0 + 8 * cs);
@@ -727,12 +768,14 @@ __device__ __forceinline__ void wg_tiles(const Jobs& jobs, SplitX x) {
         const TileSlots& sl = sm.slots[k & 1];
         wg_bias_product<BITS, N>(acc, j.w, from_column(x, first_column<Jobs>(j)), sm, sl, k, at0, at1, groups, cq);
 #pragma unroll
-        for (int jj = 0; jj < N / 8; ++jj)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int slot = 8 * jj + 2 * cq + (e & 1), row = j.n0 + r + 8 * (e >> 1);
-                if (sl.xrow[slot] >= 0 && row < j.rows) sl.yrow[slot][row] = acc[4 * jj + e];
-            }
+            for (int jj = 0; jj < N / 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int slot = 8 * jj + 2 * cq + (e & 1), row = j.n0 + row_at(m) + 8 * (e >> 1);
+                    if (sl.xrow[slot] >= 0 && row < j.rows) sl.yrow[slot][row] = acc[m][4 * jj + e];
+                }
     }
 #else
     __trap();  // the host launches these only on sm_90a
@@ -807,12 +850,12 @@ struct DenseTiles {
 
 // Threads and blocks per SM of each core.
 #define QMMA_BOUNDS(WG, BITS, N) \
-    __launch_bounds__(WG ? WG_THREADS : TC_THREADS, WG ? WG_BLOCKS_PER_SM(BITS, N) : 2)
+    __launch_bounds__(WG ? WG_THREADS_OF(BITS, N) : TC_THREADS, WG ? WG_BLOCKS_PER_SM(BITS, N) : 2)
 
 // q4_mma, q8_mma (any sm_80+) and q4_wgmma, q8_wgmma, q4_wgmma_n16, q8_wgmma_n16 (sm_90a):
 // DenseTiles, cols a multiple of 64, one grid row; and q4_parts_mma, ... (the same shapes) split
 // along K, part_cols a multiple of 64, a grid row per part of the columns (ceil(cols /
-// part_cols) of them). Launch with the core's threads (mma 256, wgmma 512) and a block per tile
+// part_cols) of them). Launch with the core's threads (mma 256, wgmma WG_THREADS_OF) and a block per tile
 // (wgmma: or fewer, see wg_tiles).
 #define QMMA_DENSE_KERNEL(BITS, NAME, WG, N, PARTS)                                                                 \
     extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N) q##BITS##_##NAME(                                           \
