@@ -1351,18 +1351,30 @@ __device__ __forceinline__ void route_token(const float* l, int experts, int top
                                             float* weights, int parts, size_t part_stride) {
     const unsigned full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
-    auto logit = [&](int e) {
-        float sum = l[e];
-        for (int q = 1; q < parts; ++q) sum += l[q * part_stride + e];
-        return sum;
-    };
     float v[KEYS];
     u64 key[KEYS];
     float m = NEG_INF;
 #pragma unroll
+    for (int i = 0; i < KEYS; ++i) v[i] = lane + 32 * i < experts ? l[lane + 32 * i] : NEG_INF;
+    // The parts after the first, added in order; four parts' loads issued before any is added
+    // (with the count known only at run time, each part's loads would wait for the last's sums).
+    for (int q0 = 1; q0 < parts; q0 += 4) {
+        float t[4][KEYS];
+#pragma unroll
+        for (int dq = 0; dq < 4; ++dq)
+#pragma unroll
+            for (int i = 0; i < KEYS; ++i)
+                t[dq][i] = q0 + dq < parts && lane + 32 * i < experts ? l[(q0 + dq) * part_stride + lane + 32 * i] : 0.f;
+#pragma unroll
+        for (int dq = 0; dq < 4; ++dq)
+            if (q0 + dq < parts)
+#pragma unroll
+                for (int i = 0; i < KEYS; ++i)
+                    if (lane + 32 * i < experts) v[i] += t[dq][i];
+    }
+#pragma unroll
     for (int i = 0; i < KEYS; ++i) {
         const int e = lane + 32 * i;
-        v[i] = e < experts ? logit(e) : NEG_INF;
         key[i] = (e < experts && v[i] == v[i]) ? pack_max(v[i], e) : 0;
         m = fmaxf(m, v[i]);
     }
@@ -1402,7 +1414,16 @@ __device__ __forceinline__ void route_token(const float* l, int experts, int top
         if (lane < top_k) ids[lane] = mine;
         return;
     }
-    const float p = lane < top_k ? expf(logit(mine) - m) / z : 0.f;
+    // The chosen expert's logit: its own load when unsplit (as before parts), else from the lane
+    // that summed it (expert e is lane e % 32's key e / 32).
+    float chosen = parts == 1 ? l[mine] : NEG_INF;
+    if (parts != 1)
+#pragma unroll
+        for (int i = 0; i < KEYS; ++i) {
+            const float u = __shfl_sync(full, v[i], mine & 31);
+            if ((mine >> 5) == i) chosen = u;
+        }
+    const float p = lane < top_k ? expf(chosen - m) / z : 0.f;
     float total = 0.f;
     for (int j = 0; j < top_k; ++j) total += __shfl_sync(full, p, j);
     if (lane < top_k) {
