@@ -1406,11 +1406,13 @@ impl ProductShape {
     /// two it gains 0.8% there and 0.2-0.6% at 1,024-4,096 tokens (run62; docs/performance.md).
     /// A cap on the blocks (`max_blocks`, for tests) applies whenever the tiles exceed it.
     fn blocks(&self, tiles: usize, groups: usize, b: usize, sms: usize) -> u32 {
-        let resident = self.per_sm[b] * sms;
-        let blocks = match self.max_blocks {
-            _ if !self.persistent || groups < WG_STAGES => tiles,
-            Some(cap) => tiles.min(cap.min(resident)),
-            None => tiles.min(resident),
+        let blocks = if !self.persistent || groups < WG_STAGES {
+            tiles
+        } else {
+            let resident = self.per_sm[b] * sms;
+            tiles
+                .min(resident)
+                .min(self.max_blocks.unwrap_or(usize::MAX))
         };
         blocks as u32
     }

@@ -855,8 +855,8 @@ struct DenseTiles {
 // q4_mma, q8_mma (any sm_80+) and q4_wgmma, q8_wgmma, q4_wgmma_n16, q8_wgmma_n16 (sm_90a):
 // DenseTiles, cols a multiple of 64, one grid row; and q4_parts_mma, ... (the same shapes) split
 // along K, part_cols a multiple of 64, a grid row per part of the columns (ceil(cols /
-// part_cols) of them). Launch with the core's threads (mma 256, wgmma WG_THREADS_OF) and a block per tile
-// (wgmma: or fewer, see wg_tiles).
+// part_cols) of them). Launch with the core's threads (mma 256, wgmma WG_THREADS_OF) and a block
+// per tile (wgmma: or fewer, see wg_tiles).
 #define QMMA_DENSE_KERNEL(BITS, NAME, WG, N, PARTS)                                                                 \
     extern "C" __global__ void QMMA_BOUNDS(WG, BITS, N) q##BITS##_##NAME(                                           \
         QBatch b, const u16* xh, const u16* xl, const float* xsum, int tokens, int cols, int part_cols) {           \
