@@ -1416,13 +1416,16 @@ __device__ __forceinline__ void route_token(const float* l, int experts, int top
     }
     // The chosen expert's logit: its own load when unsplit (as before parts), else from the lane
     // that summed it (expert e is lane e % 32's key e / 32).
-    float chosen = parts == 1 ? l[mine] : NEG_INF;
-    if (parts != 1)
+    float chosen = NEG_INF;
+    if (parts == 1) {
+        chosen = l[mine];
+    } else {
 #pragma unroll
         for (int i = 0; i < KEYS; ++i) {
             const float u = __shfl_sync(full, v[i], mine & 31);
             if ((mine >> 5) == i) chosen = u;
         }
+    }
     const float p = lane < top_k ? expf(chosen - m) / z : 0.f;
     float total = 0.f;
     for (int j = 0; j < top_k; ++j) total += __shfl_sync(full, p, j);
