@@ -572,12 +572,14 @@ impl Kernels {
             };
             // The products take more shared memory than a launch gets without opting in.
             let kernels = |name: &str| -> Result<[CudaFunction; 2]> {
+                let names = [4, 8].map(|bits| format!("q{bits}_{name}{core}"));
                 let pair = [
-                    dev.function("qmma", &format!("q4_{name}{core}"))?,
-                    dev.function("qmma", &format!("q8_{name}{core}"))?,
+                    dev.function("qmma", &names[0])?,
+                    dev.function("qmma", &names[1])?,
                 ];
-                for (func, &bytes) in pair.iter().zip(&smem) {
-                    allow_dynamic_smem(func, bytes)?;
+                for b in 0..2 {
+                    allow_dynamic_smem(&pair[b], smem[b])?;
+                    check_block_threads(&pair[b], &names[b], threads[b])?;
                 }
                 Ok(pair)
             };
@@ -749,6 +751,22 @@ impl Kernels {
             }),
         })
     }
+}
+
+/// Checks that the host launches a product kernel with the threads its `__launch_bounds__` were
+/// built for (`wg_threads` mirrors qmma.cu's `WG_THREADS_OF`): with more a launch fails, but with
+/// fewer the warpgroups' stage barriers would wait forever for the missing threads.
+fn check_block_threads(func: &CudaFunction, name: &str, launched: u32) -> Result<()> {
+    let built = func
+        .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+        .map_err(driver("reading a kernel's threads a block"))?;
+    if built != launched as i32 {
+        return Err(Error::Backend(format!(
+            "product kernel {name} is built for {built} threads a block, \
+             but would be launched with {launched}"
+        )));
+    }
+    Ok(())
 }
 
 /// Lets `func` take `bytes` of dynamic shared memory: above 48 KiB a kernel must opt in, which
