@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# run69 call 1, prepared and not run (session 65: no device machine was lent). Before the call,
-# build here from branch exp/moe-one-launch (e274f36), or from 423ec76 with moe-one-launch.patch:
-#   LILY_BENCH_SOURCE_ID=e274f36 cargo build --release -p lily
+# run69 call 3, prepared and not run (session 65: calls 1 and 2 found two bugs, since fixed). Before the call,
+# build here from branch exp/moe-one-launch (d4e624d), or from 423ec76 with moe-one-launch.patch:
+#   LILY_BENCH_SOURCE_ID=d4e624d cargo build --release -p lily
 #   cargo test --release -p lily-engine --test cuda_parity --test golden --no-run
 #   strip each and xz it into .device/{lily,cuda_parity,golden}.xz; carry .device.
-# Run from the repo root on the GPU machine: bash bench/results/run69-prepared/call1.sh
-# Session 65, call 1: one token's MoE block in one launch (moe_block_one_token).
+# Run from the repo root on the GPU machine: bash bench/results/run69-prepared/call3.sh
+# One token's MoE block in one launch (moe_block_one_token).
 # Correctness first (goldens, cuda_parity with the one launch), then the A/B of the same binary
 # with LILY_CUDA_MOE_ONE_LAUNCH=0 (the gate/up and down-mix launches) against the default, then
 # a timeline of the one-launch step, then parity of the two-launch path.
@@ -28,6 +28,13 @@ t() { # label bin log env...
   if timeout $(( $(left) - 30 < 150 ? $(left) - 30 : 150 )) env "$@" $bin --test-threads=1 --nocapture > $OUT/logs/$log 2>&1; then r="pass $(grep -o '[0-9]* passed' $OUT/logs/$log | tail -1)"; else r="FAIL"; grep -E 'panicked|FAILED' $OUT/logs/$log | head -8; fi
   RES+=("$label|$r|$(( $(date +%s) - s )) s"); note "$label: $r"
 }
+# The MoE block's own parity test first (it hung in call 2): stop here if it fails, so that a
+# hang costs 90 s and not the call.
+if ! timeout 90 .device/cuda_parity moe_block_with_the_shared_expert_matches --test-threads=1 --nocapture > $OUT/logs/moe-first.log 2>&1; then
+  note "moe_block_with_the_shared_expert_matches failed or hung: stopping"; tail -20 $OUT/logs/moe-first.log
+  tar czf $R/logs.tar.gz -C $OUT logs; exit 0
+fi
+note "moe_block_with_the_shared_expert_matches passed"
 t "cuda_parity (one launch)" .device/cuda_parity parity.log
 t "golden (one launch)" .device/golden golden.log
 CONTEXTS="256 32768" ROUNDS=${ROUNDS:-3} DECODE_STEPS=${STEPS:-128} OUT=$OUT/ab timeout $(( $(left) - 60 < 300 ? $(left) - 60 : 300 )) bash tools/ab_h200.sh two=.device/lily,LILY_CUDA_MOE_ONE_LAUNCH=0 one=.device/lily > $OUT/logs/ab.txt 2>&1; note ab done
