@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # run69 call 3, prepared and not run (session 65: calls 1 and 2 found two bugs, since fixed). Before the call,
-# build here from branch exp/moe-one-launch (d4e624d), or from 423ec76 with moe-one-launch.patch:
-#   LILY_BENCH_SOURCE_ID=d4e624d cargo build --release -p lily
+# build here from branch exp/moe-one-launch (665d887), or from 423ec76 with moe-one-launch.patch:
+#   LILY_BENCH_SOURCE_ID=665d887 cargo build --release -p lily
 #   cargo test --release -p lily-engine --test cuda_parity --test golden --no-run
 #   strip each and xz it into .device/{lily,cuda_parity,golden}.xz; carry .device.
 # Run from the repo root on the GPU machine: bash bench/results/run69-prepared/call3.sh
