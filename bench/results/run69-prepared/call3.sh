@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# run69 call 3, prepared and not run (session 65: calls 1 and 2 found two bugs, since fixed). Before the call,
+# run69 call 3, prepared in session 65 and run in session 66 on an H100 (raw results:
+# bench/results/h100/run69-call3-one-launch-ab-and-timeline.tar.gz; docs/performance.md, "One token's MoE
+# block in one launch"). Calls 1 and 2 had found two bugs, since fixed. Before the call,
 # build here from branch exp/moe-one-launch (665d887), or from 423ec76 with moe-one-launch.patch:
 #   LILY_BENCH_SOURCE_ID=665d887 cargo build --release -p lily
 #   cargo test --release -p lily-engine --test cuda_parity --test golden --no-run
