@@ -28,21 +28,30 @@ from array import array
 from collections import defaultdict
 
 
+def slot_records(raw, meta, s):
+    """Slot s of the buffer's bytes as (launch ids, times), block-major and mark-minor (block b's
+    mark m at index b * marks + m); None where nothing was stored."""
+    per_slot = meta["blocks_per_launch"] * meta["marks"] * 2
+    chunk = raw[s * per_slot * 8:(s + 1) * per_slot * 8]
+    if not chunk.strip(b"\0"):
+        return None
+    seg = array("Q")
+    seg.frombytes(chunk)
+    if sys.byteorder != "little":
+        seg.byteswap()
+    return seg[0::2], seg[1::2]
+
+
 def launches(path, meta):
-    slots, blocks, marks = meta["launch_slots"], meta["blocks_per_launch"], meta["marks"]
+    marks = meta["marks"]
     with open(path, "rb") as f:
         raw = f.read()
-    per_slot = blocks * marks * 2
     out = []
-    for s in range(slots):
-        chunk = raw[s * per_slot * 8:(s + 1) * per_slot * 8]
-        if not chunk.strip(b"\0"):
+    for s in range(meta["launch_slots"]):
+        records = slot_records(raw, meta, s)
+        if records is None:
             continue
-        seg = array("Q")
-        seg.frombytes(chunk)
-        if sys.byteorder != "little":
-            seg.byteswap()
-        gids, ts = seg[0::2], seg[1::2]
+        gids, ts = records
         # The slot's last launch (ids grow); an older launch's leftover blocks are skipped.
         grid = max(gids)
         times, seen = [], set()

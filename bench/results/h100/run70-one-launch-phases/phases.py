@@ -10,7 +10,6 @@ import importlib.util
 import json
 import statistics
 import sys
-from array import array
 
 spec = importlib.util.spec_from_file_location("timeline", "tools/timeline.py")
 tl = importlib.util.module_from_spec(spec)
@@ -21,16 +20,13 @@ meta = json.load(open(path + ".json"))
 step = [dict(s, blocks=min(s["blocks"], meta["blocks_per_launch"])) for s in meta["step"]]
 ls = tl.launches(path, meta)
 step_ls, first = tl.find_step(ls, step)
-slots, blocks, marks = meta["launch_slots"], meta["blocks_per_launch"], meta["marks"]
+blocks, marks = meta["blocks_per_launch"], meta["marks"]
 raw = open(path, "rb").read()
-per_slot = blocks * marks * 2
 
 
 def block_marks(grid):
-    seg = array("Q")
-    s = grid % slots
-    seg.frombytes(raw[s * per_slot * 8:(s + 1) * per_slot * 8])
-    gids, ts = seg[0::2], seg[1::2]
+    """Each mark's times, over the blocks of launch `grid` that stored it."""
+    gids, ts = tl.slot_records(raw, meta, grid % meta["launch_slots"])
     return [[ts[b * marks + m] for b in range(blocks) if gids[b * marks + m] == grid] for m in range(marks)]
 
 
