@@ -48,7 +48,7 @@ fn every_kernel_compiles_with_the_timeline_marks() {
     // LILY_CUDA_TIMELINE compiles the marks into every family (kernels/common.cuh); the GPU
     // machine's NVRTC is the same one, for sm_90a.
     for (name, source) in nvrtc::KERNELS {
-        let marked = timeline::with_marks(source);
+        let marked = timeline::with_marks(source).expect("the default marks");
         let image = nvrtc::compile(name, &marked, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
         assert!(image.starts_with(b"\x7fELF"), "{name}: not an ELF CUBIN");
     }

@@ -52,7 +52,7 @@ pub fn kernel_source(family: &str) -> Result<std::borrow::Cow<'static, str>> {
     )?;
     // The timeline's marks (timeline.rs) are compiled in only when asked for.
     Ok(match super::timeline::requested() {
-        Some(_) => super::timeline::with_marks(&source).into(),
+        Some(_) => super::timeline::with_marks(&source)?.into(),
         None => source,
     })
 }

@@ -17,19 +17,36 @@ use cudarc::driver::{CudaModule, CudaSlice, CudaStream, DevicePtr};
 use super::device::driver;
 use crate::error::{Error, Result};
 
-/// Launch slots of the buffer, blocks a launch and marks a block (the kernels get them from
-/// `with_marks`).
+/// Launch slots of the buffer and blocks a launch (the kernels get them from `with_marks`).
 const LAUNCHES: usize = 4096;
 const BLOCKS: usize = 1024;
+/// Marks a block: the three of kernels/common.cuh, or up to 16 with
+/// `LILY_CUDA_TIMELINE_MARKS`, for a probe that adds marks inside a kernel through
+/// `LILY_CUDA_KERNEL_DIR` (no rebuild).
 const MARKS: usize = 3;
+const MAX_MARKS: usize = 16;
+
+/// The marks a block, as asked for.
+pub fn marks() -> Result<usize> {
+    let Ok(v) = std::env::var("LILY_CUDA_TIMELINE_MARKS") else {
+        return Ok(MARKS);
+    };
+    match v.parse::<usize>() {
+        Ok(n) if (MARKS..=MAX_MARKS).contains(&n) => Ok(n),
+        _ => Err(Error::Backend(format!(
+            "LILY_CUDA_TIMELINE_MARKS={v}: expected a count of marks from {MARKS} to {MAX_MARKS}"
+        ))),
+    }
+}
 
 /// A kernel source as it is compiled when the timeline is asked for: behind the switch of
 /// kernels/common.cuh's marks and the buffer's layout.
-pub fn with_marks(source: &str) -> String {
-    format!(
+pub fn with_marks(source: &str) -> Result<String> {
+    let marks = marks()?;
+    Ok(format!(
         "#define LILY_TIMELINE\n#define TIMELINE_LAUNCHES {LAUNCHES}\n\
-         #define TIMELINE_BLOCKS {BLOCKS}\n#define TIMELINE_MARKS {MARKS}\n{source}"
-    )
+         #define TIMELINE_BLOCKS {BLOCKS}\n#define TIMELINE_MARKS {marks}\n{source}"
+    ))
 }
 
 /// Where the timeline goes, when one was asked for.
@@ -42,18 +59,21 @@ pub fn requested() -> Option<PathBuf> {
 pub struct Timeline {
     path: PathBuf,
     records: CudaSlice<u64>,
+    marks: usize,
     /// The recorded decode step's launches: label and blocks.
     step: Mutex<Vec<(&'static str, u32)>>,
 }
 
 impl Timeline {
     pub fn new(stream: &Arc<CudaStream>, path: PathBuf) -> Result<Timeline> {
+        let marks = marks()?;
         let records = stream
-            .alloc_zeros::<u64>(2 * LAUNCHES * BLOCKS * MARKS)
+            .alloc_zeros::<u64>(2 * LAUNCHES * BLOCKS * marks)
             .map_err(driver("allocating the timeline"))?;
         Ok(Timeline {
             path,
             records,
+            marks,
             step: Mutex::new(Vec::new()),
         })
     }
@@ -99,7 +119,7 @@ impl Timeline {
             .map(|(label, blocks)| serde_json::json!({"label": label, "blocks": blocks}))
             .collect();
         let meta = serde_json::json!({
-            "launch_slots": LAUNCHES, "blocks_per_launch": BLOCKS, "marks": MARKS,
+            "launch_slots": LAUNCHES, "blocks_per_launch": BLOCKS, "marks": self.marks,
             "step": launches,
         });
         let mut json = self.path.clone().into_os_string();
