@@ -19,15 +19,15 @@ import timeline  # noqa: E402
 SLOTS, BLOCKS, MARKS = 16, 4, 3
 
 
-def write(path, marks, step):
+def write(path, marks, step, nmarks=MARKS):
     """marks: (launch id, block, mark, ns) stores, in the order the GPU would make them."""
-    buf = bytearray(SLOTS * BLOCKS * MARKS * 16)
+    buf = bytearray(SLOTS * BLOCKS * nmarks * 16)
     for grid, block, mark, t in marks:
-        slot = ((grid % SLOTS) * BLOCKS + block) * MARKS + mark
+        slot = ((grid % SLOTS) * BLOCKS + block) * nmarks + mark
         buf[slot * 16:slot * 16 + 16] = struct.pack("<QQ", grid, t)
     with open(path, "wb") as f:
         f.write(bytes(buf))
-    return {"launch_slots": SLOTS, "blocks_per_launch": BLOCKS, "marks": MARKS,
+    return {"launch_slots": SLOTS, "blocks_per_launch": BLOCKS, "marks": nmarks,
             "step": [{"label": l, "blocks": b} for l, b in step]}
 
 
@@ -87,6 +87,30 @@ class TimelineTest(unittest.TestCase):
         _, step_ls, first, _ = self.analyse(kernel(3, 1, 1_000) + kernel(4, 3, 2_000), step)
         self.assertIsNone(step_ls)
         self.assertIsNone(first)
+
+    def test_a_probes_marks_inside_the_labelled_launches(self):
+        # Five marks a block; the two "moe" launches carry a probe's mark 3 (block b at 1,000 +
+        # 100 b ns after the release, then 3,000 + b) and mark 4 only in block 0.
+        step = [("moe[e]", 3), ("down", 1), ("moe[e]", 3), ("down", 1)]
+        marks = []
+        for grid, release in ((30, 10_000), (32, 20_000)):
+            marks += kernel(grid, 3, release)
+            marks += [(grid, b, 3, release + b + 1_000 + 100 * b) for b in range(3)]
+            marks += [(grid, 0, 4, release + 2_000)]
+        marks += kernel(31, 1, 15_000) + kernel(33, 1, 24_000)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "tl.bin")
+            meta = write(path, marks, step, nmarks=5)
+            step_ls, first = timeline.find_step(timeline.launches(path, meta), meta["step"])
+            self.assertEqual(first, 30)
+            count, rows, nxt = timeline.phases(path, meta, meta["step"], step_ls, "moe")
+        self.assertEqual(count, 2)
+        by_mark = {r[0]: r[1:] for r in rows}
+        self.assertEqual(sorted(by_mark), [0, 1, 2, 3, 4])
+        for got, want in zip(by_mark[3], (1.0, 1.101, 1.202)):
+            self.assertAlmostEqual(got, want)
+        self.assertAlmostEqual(by_mark[4][0], 2.0)
+        self.assertAlmostEqual(nxt, 4.5)  # releases 5,000 and 4,000 ns after
 
 
 if __name__ == "__main__":

@@ -17,9 +17,12 @@ its launch ids, so each slot holds the marks of the graph's last replay):
 
 then crit and late summed by kernel family. Microseconds, on the GPU's global timer; the marks
 themselves make the step ~7% slower (run42).
-Usage: python3 tools/timeline.py PATH [--launches-json OUT] [--from-launches IN]
+Usage: python3 tools/timeline.py PATH [--launches-json OUT] [--from-launches IN] [--phases PREFIX]
   PATH.json (written beside PATH) holds the recorded step's launches; OUT keeps every launch's
-  marks for another look, which IN reads instead of PATH.
+  marks for another look, which IN reads instead of PATH. PREFIX: a probe's marks inside the
+  launches whose label starts with it (LILY_CUDA_TIMELINE_MARKS, marks 3 and up in a kernel
+  folder): each mark's earliest, median and latest block after the launch's release, as the
+  median over those launches, and the next launch's release (reads PATH).
 """
 import json
 import statistics
@@ -122,17 +125,41 @@ def families(rows):
     return sorted(out, key=lambda f: -f[2])
 
 
+def phases(path, meta, step, step_ls, prefix):
+    """The marks of the step's launches labelled `prefix`...: (launches, rows, next) where a row
+    is (mark, first, median, last), each the median over the launches of that mark's earliest,
+    median and latest block in us after the launch's release (marks no block stored left out),
+    and next the median of the next launch's release after it (NaN if none)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    marks, blocks = meta["marks"], meta["blocks_per_launch"]
+    per_mark, nexts, count = defaultdict(list), [], 0
+    for k, cur in enumerate(step_ls):
+        if cur is None or not step[k]["label"].startswith(prefix):
+            continue
+        count += 1
+        gids, ts = slot_records(raw, meta, cur["grid"] % meta["launch_slots"])
+        for m in range(marks):
+            at = [(ts[b * marks + m] - cur["release"]) * 1e-3 for b in range(blocks)
+                  if gids[b * marks + m] == cur["grid"]]
+            if at:
+                per_mark[m].append((min(at), statistics.median(at), max(at)))
+        nxt = next((l for l in step_ls[k + 1:] if l), None)
+        if nxt:
+            nexts.append((nxt["release"] - cur["release"]) * 1e-3)
+    rows = [(m, *(statistics.median(x[i] for x in per_mark[m]) for i in range(3))) for m in sorted(per_mark)]
+    return count, rows, statistics.median(nexts) if nexts else float("nan")
+
+
 def main():
     args = sys.argv[1:]
-    dump = source = None
-    for flag in ("--launches-json", "--from-launches"):
+    opts = {}
+    for flag in ("--launches-json", "--from-launches", "--phases"):
         if flag in args:
             i = args.index(flag)
-            if flag == "--launches-json":
-                dump = args[i + 1]
-            else:
-                source = args[i + 1]
+            opts[flag] = args[i + 1]
             del args[i:i + 2]
+    dump, source = opts.get("--launches-json"), opts.get("--from-launches")
     if len(args) != 1:
         sys.exit(__doc__)
     path = args[0]
@@ -168,6 +195,17 @@ def main():
     print("|---|---:|---:|---:|---:|---:|")
     for name, count, crit, mcrit, mlate, mtrig in families(rows):
         print(f"| {name} | {count} | {crit:.1f} | {mcrit:.2f} | {mlate:.2f} | {mtrig:.2f} |")
+    prefix = opts.get("--phases")
+    if prefix:
+        count, marks, nxt = phases(path, meta, step, step_ls, prefix)
+        print()
+        print(f"marks of the {count} launches labelled {prefix}..., us after each one's release "
+              "(medians over the launches; 0 wait, 1 release, 2 trigger, 3 and up the probe's)")
+        print("| mark | first block | median block | last block |")
+        print("|---:|---:|---:|---:|")
+        for m, first_b, med_b, last_b in marks:
+            print(f"| {m} | {first_b:.2f} | {med_b:.2f} | {last_b:.2f} |")
+        print(f"| next release | {nxt:.2f} | | |")
 
 
 if __name__ == "__main__":

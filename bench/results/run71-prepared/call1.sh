@@ -32,12 +32,13 @@ CONTEXTS="256 32768" ROUNDS=${ROUNDS:-3} DECODE_STEPS=128 OUT=$OUT/ab timeout $(
 cp $OUT/ab/ab-table.md $R/ 2>/dev/null
 tar czf $R/logs.tar.gz -C $OUT logs ab
 # Phase marks inside the gate/up (kernel folder .device/probe, 8 marks a block), both kernels;
-# the first compiles every family with the marks (slow), the second reuses the cache.
+# the first compiles every family with the marks (slow), the second reuses the cache. Marks
+# (probe-marks.patch, thread 0 of each block): 3 the router's logits landed, 4 routing known
+# (the barrier after it), 5 warp 0's first row landed, 6 that row summed, 7 the block done.
 for v in on off; do before 75 || break
   e=; [ $v = off ] && e=LILY_CUDA_GATE_UP_WHOLE=0
   env $e LILY_CUDA_TIMELINE_MARKS=8 LILY_CUDA_KERNEL_DIR=$PWD/.device/probe LILY_CUDA_TIMELINE=$OUT/logs/probe-$v.bin timeout $(( $(left) - 20 < 170 ? $(left) - 20 : 170 )) .device/lily bench --model /tmp/synth-35b-a3b --device cuda --prompt-len 256 --decode-steps 8 > $OUT/logs/probe-$v.txt 2>&1
-  python3 tools/timeline.py $OUT/logs/probe-$v.bin > $OUT/logs/timeline-$v.md 2>&1; note "timeline $v rc $?"
-  python3 .device/phases.py $OUT/logs/probe-$v.bin > $OUT/logs/phases-$v.md 2>&1; note "phases $v rc $?"
+  python3 tools/timeline.py $OUT/logs/probe-$v.bin --phases moe_gate_up_stream > $OUT/logs/timeline-$v.md 2>&1; note "timeline $v rc $?"
   rm -f $OUT/logs/probe-$v.bin
   tar czf $R/logs.tar.gz -C $OUT logs ab
 done
@@ -47,7 +48,7 @@ fi
 grep -E 'nmse|greedy tokens identical' $OUT/logs/parity.log $OUT/logs/golden.log | sed 's|.*/||' > $OUT/logs/parity-summary.txt
 tar czf $R/logs.tar.gz -C $OUT logs ab $(ls -d $OUT/ab2 2>/dev/null | xargs -r -n1 basename)
 grep -E 'E=256 k=8|1536' $OUT/logs/parity.log | tail -6
-for v in off on; do [ -f $OUT/logs/timeline-$v.md ] && sed -n '/^| family/,$p' $OUT/logs/timeline-$v.md | head -6; [ -f $OUT/logs/phases-$v.md ] && sed -n '/^medians/,$p' $OUT/logs/phases-$v.md; done
+for v in off on; do [ -f $OUT/logs/timeline-$v.md ] && sed -n '/^| family/,$p' $OUT/logs/timeline-$v.md | head -6; [ -f $OUT/logs/timeline-$v.md ] && sed -n '/^marks of/,$p' $OUT/logs/timeline-$v.md; done
 cat $OUT/logs/gpu.txt
 echo; cat $OUT/ab/ab-table.md
 [ -f $OUT/ab2/ab-table.md ] && tail -8 $OUT/ab2/ab-table.md

@@ -22,5 +22,4 @@ sed -i 's/\(MOE_GATE_UP_STREAM(q[48]_moe_gate_up_stream_whole, [48], 8, true,\) 
 # probe: marks 3-7 inside the gate/up (8 marks a block).
 cp $K/common.cuh $K/quant.cu .device/probe/
 (cd .device/probe && patch -s -p1 < ../../$P/probe-marks.patch)
-cp $P/phases.py .device/
 ls -la .device .device/w2 .device/probe
