@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what run71's call 1 carries (session 67 prepared it; no machine came). Run here, from
-# the repo root, on a checkout of branch exp/gate-up-three-blocks (0d1d716), or of main with
+# the repo root, on a checkout of branch exp/gate-up-three-blocks (9f5e24a), or of main with
 # gate-up-whole.patch applied (git apply bench/results/run71-prepared/gate-up-whole.patch):
 #   bash bench/results/run71-prepared/prepare.sh
 # then call the device with carry [".device"]: bash bench/results/run71-prepared/call1.sh
