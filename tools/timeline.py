@@ -45,8 +45,15 @@ def slot_records(raw, meta, s):
     return seg[0::2], seg[1::2]
 
 
+def block_marks(records, marks, grid):
+    """For each mark, the (block, time) pairs of launch `grid` in a slot's records (blocks that
+    an older launch in the same slot left are skipped)."""
+    gids, ts = records
+    return [[(b, t) for b, (g, t) in enumerate(zip(gids[m::marks], ts[m::marks])) if g == grid]
+            for m in range(marks)]
+
+
 def launches(path, meta):
-    marks = meta["marks"]
     with open(path, "rb") as f:
         raw = f.read()
     out = []
@@ -54,14 +61,11 @@ def launches(path, meta):
         records = slot_records(raw, meta, s)
         if records is None:
             continue
-        gids, ts = records
         # The slot's last launch (ids grow); an older launch's leftover blocks are skipped.
-        grid = max(gids)
-        times, seen = [], set()
-        for m in range(marks):
-            hits = [(b, t) for b, (g, t) in enumerate(zip(gids[m::marks], ts[m::marks])) if g == grid]
-            times.append([t for _, t in hits])
-            seen.update(b for b, _ in hits)
+        grid = max(records[0])
+        hits = block_marks(records, meta["marks"], grid)
+        times = [[t for _, t in h] for h in hits]
+        seen = {b for h in hits for b, _ in h}
         if not times[1]:
             continue
         out.append({
@@ -132,16 +136,14 @@ def phases(path, meta, step, step_ls, prefix):
     and next the median of the next launch's release after it (NaN if none)."""
     with open(path, "rb") as f:
         raw = f.read()
-    marks, blocks = meta["marks"], meta["blocks_per_launch"]
     per_mark, nexts, count = defaultdict(list), [], 0
     for k, cur in enumerate(step_ls):
         if cur is None or not step[k]["label"].startswith(prefix):
             continue
         count += 1
-        gids, ts = slot_records(raw, meta, cur["grid"] % meta["launch_slots"])
-        for m in range(marks):
-            at = [(ts[b * marks + m] - cur["release"]) * 1e-3 for b in range(blocks)
-                  if gids[b * marks + m] == cur["grid"]]
+        records = slot_records(raw, meta, cur["grid"] % meta["launch_slots"])
+        for m, hits in enumerate(block_marks(records, meta["marks"], cur["grid"])):
+            at = [(t - cur["release"]) * 1e-3 for _, t in hits]
             if at:
                 per_mark[m].append((min(at), statistics.median(at), max(at)))
         nxt = next((l for l in step_ls[k + 1:] if l), None)
