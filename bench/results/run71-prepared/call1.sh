@@ -8,31 +8,13 @@
 # spread), at 256 and 32,768, 3 rounds. Then, if time is left, the phase probe of on.
 # Run from the repo root on the GPU machine, carry [".device"]: bash bench/results/run71-prepared/call1.sh
 set -uo pipefail
-T0=$(date +%s)
-BUDGET=${BUDGET:-570}
-before() { [ $(( $(date +%s) - T0 )) -lt $(( BUDGET - $1 )) ]; }
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-note() { printf '[%4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
-(cd .device && xz -d -f -T4 lily.xz cuda_parity.xz golden.xz)
-chmod +x .device/lily .device/cuda_parity .device/golden
-R=$OUT; OUT=/tmp/m1; mkdir -p $OUT/logs
-export LILY_KERNEL_CACHE=/tmp/lily-kernels
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader > $OUT/logs/gpu.txt
-OUT=$OUT/logs timeout 200 bash tools/gpu_check.sh synth > $OUT/logs/synth.txt 2>&1; note synth done
-export LILY_TEST_FIXTURES=$PWD/tests/fixtures LILY_REQUIRE_GPU=1
-RES=()
-t() { # label "bin [test filter]" log env...
-  local label=$1 bin=$2 log=$3; shift 3
-  local s=$(date +%s)
-  if timeout $(( $(left) - 30 < 150 ? $(left) - 30 : 150 )) env "$@" $bin --test-threads=1 --nocapture > $OUT/logs/$log 2>&1; then r="pass $(grep -o '[0-9]* passed' $OUT/logs/$log | tail -1)"; else r="FAIL"; grep -E 'panicked|FAILED' $OUT/logs/$log | head -8; fi
-  RES+=("$label|$r|$(( $(date +%s) - s )) s"); note "$label: $r"
-}
-t "cuda_parity (whole)" .device/cuda_parity parity.log
-t "golden (whole)" .device/golden golden.log
+source tools/device_call.sh m1 lily cuda_parity golden
+run_test "cuda_parity (whole)" .device/cuda_parity parity.log
+run_test "golden (whole)" .device/golden golden.log
 BAL=LILY_CUDA_KERNEL_DIR=$PWD/.device/bal
 for f in rout experts moe_block lazily; do
-  t "cuda_parity $f (bal)" ".device/cuda_parity $f" parity-bal-$f.log $BAL
-  t "cuda_parity $f (bal, general)" ".device/cuda_parity $f" parity-balo-$f.log $BAL LILY_CUDA_GATE_UP_WHOLE=0
+  run_test "cuda_parity $f (bal)" ".device/cuda_parity $f" parity-bal-$f.log $BAL
+  run_test "cuda_parity $f (bal, general)" ".device/cuda_parity $f" parity-balo-$f.log $BAL LILY_CUDA_GATE_UP_WHOLE=0
 done
 tar czf $R/logs.tar.gz -C $OUT logs
 CONTEXTS="256 32768" ROUNDS=${ROUNDS:-3} DECODE_STEPS=128 OUT=$OUT/ab timeout $(( $(left) - 30 < 330 ? $(left) - 30 : 330 )) bash tools/ab_h200.sh off=.device/lily,LILY_CUDA_GATE_UP_WHOLE=0 on=.device/lily bal=.device/lily,$BAL > $OUT/logs/ab.txt 2>&1; note ab done
@@ -50,4 +32,4 @@ grep -E 'E=256 k=8|1536' $OUT/logs/parity.log | tail -6
 [ -f $OUT/logs/timeline-on.md ] && sed -n '/^| family/,$p' $OUT/logs/timeline-on.md
 cat $OUT/logs/gpu.txt
 echo; cat $OUT/ab/ab-table.md
-echo "| check | result | time |"; for r in "${RES[@]}"; do echo "| ${r//|/ | } |"; done
+results

@@ -4,17 +4,7 @@
 # and balo (the general kernels with the rows spread) against off and on at 256, 2 rounds.
 # Same carry as call 1 (prepare.sh); run after it on the same machine or a fresh one.
 set -uo pipefail
-T0=$(date +%s)
-BUDGET=${BUDGET:-570}
-before() { [ $(( $(date +%s) - T0 )) -lt $(( BUDGET - $1 )) ]; }
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-note() { printf '[%4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
-[ -f .device/lily ] || (cd .device && xz -d -f -T4 lily.xz)
-chmod +x .device/lily
-R=$OUT; OUT=/tmp/m2; mkdir -p $OUT/logs
-export LILY_KERNEL_CACHE=/tmp/lily-kernels
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader > $OUT/logs/gpu.txt
-OUT=$OUT/logs timeout 200 bash tools/gpu_check.sh synth > $OUT/logs/synth.txt 2>&1; note synth done
+source tools/device_call.sh m2 lily
 # The probe folder with the rows spread too, for bal's phases.
 P=$PWD/bench/results/run71-prepared
 mkdir -p /tmp/probe-bal && cp .device/probe/* /tmp/probe-bal/ && (cd /tmp/probe-bal && patch -s -p1 < $P/balanced-rows.patch) || note "probe-bal: patch failed"
