@@ -47,7 +47,7 @@ class TimelineTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "tl.bin")
             meta = write(path, marks, step)
-            ls = timeline.launches(path, meta)
+            ls = timeline.launches(timeline.read_buffer(path), meta)
         step_ls, first = timeline.find_step(ls, meta["step"])
         rows = timeline.rows_of(meta["step"], step_ls) if step_ls else None
         return ls, step_ls, first, rows
@@ -101,9 +101,10 @@ class TimelineTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "tl.bin")
             meta = write(path, marks, step, nmarks=5)
-            step_ls, first = timeline.find_step(timeline.launches(path, meta), meta["step"])
+            raw = timeline.read_buffer(path)
+            step_ls, first = timeline.find_step(timeline.launches(raw, meta), meta["step"])
             self.assertEqual(first, 30)
-            count, rows, nxt = timeline.phases(path, meta, meta["step"], step_ls, "moe")
+            count, rows, nxt = timeline.phases(raw, meta, meta["step"], step_ls, "moe")
         self.assertEqual(count, 2)
         by_mark = {r[0]: r[1:] for r in rows}
         self.assertEqual(sorted(by_mark), [0, 1, 2, 3, 4])

@@ -53,9 +53,13 @@ def block_marks(records, marks, grid):
             for m in range(marks)]
 
 
-def launches(path, meta):
+def read_buffer(path):
+    """The buffer's bytes (hundreds of MB with a probe's marks: read once, then passed on)."""
     with open(path, "rb") as f:
-        raw = f.read()
+        return f.read()
+
+
+def launches(raw, meta):
     out = []
     for s in range(meta["launch_slots"]):
         records = slot_records(raw, meta, s)
@@ -129,13 +133,11 @@ def families(rows):
     return sorted(out, key=lambda f: -f[2])
 
 
-def phases(path, meta, step, step_ls, prefix):
+def phases(raw, meta, step, step_ls, prefix):
     """The marks of the step's launches labelled `prefix`...: (launches, rows, next) where a row
     is (mark, first, median, last), each the median over the launches of that mark's earliest,
     median and latest block in us after the launch's release (marks no block stored left out),
     and next the median of the next launch's release after it (NaN if none)."""
-    with open(path, "rb") as f:
-        raw = f.read()
     per_mark, nexts, count = defaultdict(list), [], 0
     for k, cur in enumerate(step_ls):
         if cur is None or not step[k]["label"].startswith(prefix):
@@ -171,11 +173,13 @@ def main():
     if not step:
         sys.exit("no recorded decode step in " + path + ".json")
     step = [dict(s, blocks=min(s["blocks"], meta["blocks_per_launch"])) for s in step]
+    prefix = opts.get("--phases")
+    raw = read_buffer(path) if prefix or not source else None
     if source:
         with open(source) as f:
             ls = json.load(f)
     else:
-        ls = launches(path, meta)
+        ls = launches(raw, meta)
     if dump:
         with open(dump, "w") as f:
             json.dump(ls, f)
@@ -197,9 +201,8 @@ def main():
     print("|---|---:|---:|---:|---:|---:|")
     for name, count, crit, mcrit, mlate, mtrig in families(rows):
         print(f"| {name} | {count} | {crit:.1f} | {mcrit:.2f} | {mlate:.2f} | {mtrig:.2f} |")
-    prefix = opts.get("--phases")
     if prefix:
-        count, marks, nxt = phases(path, meta, step, step_ls, prefix)
+        count, marks, nxt = phases(raw, meta, step, step_ls, prefix)
         print()
         print(f"marks of the {count} launches labelled {prefix}..., us after each one's release "
               "(medians over the launches; 0 wait, 1 release, 2 trigger, 3 and up the probe's)")
