@@ -5,6 +5,8 @@
 # the synthetic 35B (tools/gpu_check.sh synth). Then:
 #   before N    true while more than N s of the call's BUDGET (default 570) are left
 #   left        the seconds left
+#   limit M [C] a step's timeout: what is left less M s, at most C s, at least 1 (timeout 0
+#               would be none)
 #   note MSG    MSG after the seconds spent
 #   run_test LABEL "BIN [TEST FILTER]" LOG [VAR=VALUE...]
 #               a test binary, one thread, into $OUT/logs/LOG; "LABEL|result|time" into RESULTS
@@ -13,6 +15,12 @@ T0=$(date +%s)
 BUDGET=${BUDGET:-570}
 before() { [ $(( $(date +%s) - T0 )) -lt $(( BUDGET - $1 )) ]; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+limit() {
+  local t=$(( $(left) - $1 ))
+  [ -n "${2:-}" ] && [ $t -gt $2 ] && t=$2
+  [ $t -lt 1 ] && t=1
+  echo $t
+}
 note() { printf '[%4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
 _work=$1; shift
 for _bin in "$@"; do
@@ -27,7 +35,7 @@ RESULTS=()
 run_test() {
   local label=$1 bin=$2 log=$3 r; shift 3
   local s=$(date +%s)
-  if timeout $(( $(left) - 30 < 150 ? $(left) - 30 : 150 )) env LILY_TEST_FIXTURES=$PWD/tests/fixtures LILY_REQUIRE_GPU=1 "$@" $bin --test-threads=1 --nocapture > $OUT/logs/$log 2>&1; then
+  if timeout $(limit 30 150) env LILY_TEST_FIXTURES=$PWD/tests/fixtures LILY_REQUIRE_GPU=1 "$@" $bin --test-threads=1 --nocapture > $OUT/logs/$log 2>&1; then
     r="pass $(grep -o '[0-9]* passed' $OUT/logs/$log | tail -1)"
   else
     r="FAIL"; grep -E 'panicked|FAILED' $OUT/logs/$log | head -8

@@ -17,12 +17,12 @@ for f in rout experts moe_block lazily; do
   run_test "cuda_parity $f (bal, general)" ".device/cuda_parity $f" parity-balo-$f.log $BAL LILY_CUDA_GATE_UP_WHOLE=0
 done
 tar czf $R/logs.tar.gz -C $OUT logs
-CONTEXTS="256 32768" ROUNDS=${ROUNDS:-3} DECODE_STEPS=128 OUT=$OUT/ab timeout $(( $(left) - 30 < 330 ? $(left) - 30 : 330 )) bash tools/ab_h200.sh off=.device/lily,LILY_CUDA_GATE_UP_WHOLE=0 on=.device/lily bal=.device/lily,$BAL > $OUT/logs/ab.txt 2>&1; note ab done
+CONTEXTS="256 32768" ROUNDS=${ROUNDS:-3} DECODE_STEPS=128 OUT=$OUT/ab timeout $(limit 30 330) bash tools/ab_h200.sh off=.device/lily,LILY_CUDA_GATE_UP_WHOLE=0 on=.device/lily bal=.device/lily,$BAL > $OUT/logs/ab.txt 2>&1; note ab done
 cp $OUT/ab/ab-table.md $R/ 2>/dev/null
 tar czf $R/logs.tar.gz -C $OUT logs ab
 # The phase probe of on (call2.sh has the rest); marks in probe-marks.patch.
 if before 110; then
-  LILY_CUDA_TIMELINE_MARKS=8 LILY_CUDA_KERNEL_DIR=$PWD/.device/probe LILY_CUDA_TIMELINE=$OUT/logs/probe-on.bin timeout $(( $(left) - 15 )) .device/lily bench --model /tmp/synth-35b-a3b --device cuda --prompt-len 256 --decode-steps 8 > $OUT/logs/probe-on.txt 2>&1
+  LILY_CUDA_TIMELINE_MARKS=8 LILY_CUDA_KERNEL_DIR=$PWD/.device/probe LILY_CUDA_TIMELINE=$OUT/logs/probe-on.bin timeout $(limit 15) .device/lily bench --model /tmp/synth-35b-a3b --device cuda --prompt-len 256 --decode-steps 8 > $OUT/logs/probe-on.txt 2>&1
   python3 tools/timeline.py $OUT/logs/probe-on.bin --phases moe_gate_up_stream > $OUT/logs/timeline-on.md 2>&1; note "timeline on rc $?"
   rm -f $OUT/logs/probe-on.bin
 fi

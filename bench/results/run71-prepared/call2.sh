@@ -17,7 +17,7 @@ for v in off bal; do before 200 || break
   tar czf $R/logs.tar.gz -C $OUT logs
 done
 if before 120; then
-  CONTEXTS="256" ROUNDS=2 DECODE_STEPS=128 OUT=$OUT/ab timeout $(( $(left) - 20 )) bash tools/ab_h200.sh off=.device/lily,LILY_CUDA_GATE_UP_WHOLE=0 w2=.device/lily,LILY_CUDA_KERNEL_DIR=$PWD/.device/w2 balo=.device/lily,LILY_CUDA_GATE_UP_WHOLE=0,LILY_CUDA_KERNEL_DIR=$PWD/.device/bal on=.device/lily > $OUT/logs/ab.txt 2>&1; note ab done
+  CONTEXTS="256" ROUNDS=2 DECODE_STEPS=128 OUT=$OUT/ab timeout $(limit 20) bash tools/ab_h200.sh off=.device/lily,LILY_CUDA_GATE_UP_WHOLE=0 w2=.device/lily,LILY_CUDA_KERNEL_DIR=$PWD/.device/w2 balo=.device/lily,LILY_CUDA_GATE_UP_WHOLE=0,LILY_CUDA_KERNEL_DIR=$PWD/.device/bal on=.device/lily > $OUT/logs/ab.txt 2>&1; note ab done
   cp $OUT/ab/ab-table.md $R/ 2>/dev/null
 fi
 tar czf $R/logs.tar.gz -C $OUT logs $(ls -d $OUT/ab 2>/dev/null | xargs -r -n1 basename)
